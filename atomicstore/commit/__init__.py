@@ -1,0 +1,28 @@
+"""Commit layer: transactions, manifests, commit strategies, recovery. Never imports jax."""
+
+from .manifest import FileEntry, Manifest, Marker, crc32c
+from .names import natural_key, natural_sort, validate_name, validate_path
+from .store import Checkpoint, CheckedReader, Store, open_store
+from .strategies import CommitStrategy, MarkerStrategy, RenameStrategy, choose_strategy
+from .transaction import Transaction, TransactionFile
+
+__all__ = [
+    "CheckedReader",
+    "Checkpoint",
+    "CommitStrategy",
+    "FileEntry",
+    "Manifest",
+    "MarkerStrategy",
+    "Marker",
+    "RenameStrategy",
+    "Store",
+    "Transaction",
+    "TransactionFile",
+    "choose_strategy",
+    "crc32c",
+    "natural_key",
+    "natural_sort",
+    "open_store",
+    "validate_name",
+    "validate_path",
+]

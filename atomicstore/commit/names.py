@@ -1,0 +1,80 @@
+"""Validation of checkpoint names and of file paths inside a checkpoint.
+
+Names and paths come from callers (and, when reading, from storage): they are checked
+before anything is written or read, so that none can escape the store's root.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import InvalidArgumentError
+
+#: A directory at the store root reserved for staging and trash (rename strategy).
+RESERVED_DIR = ".atomicstore"
+#: Names that cannot be used for a file at the top of a checkpoint.
+MANIFEST_FILE = "manifest.json"
+MARKER_FILE = "commit_success.txt"
+RESERVED_FILES = frozenset({MANIFEST_FILE, MARKER_FILE})
+
+_NAME = re.compile(r"[A-Za-z0-9_+=-][A-Za-z0-9_.+=-]{0,199}")
+_COMPONENT_BAD = re.compile(r"[\x00-\x1f\x7f\\]")
+
+
+def validate_name(name: object) -> str:
+    """Check a checkpoint name: 1-200 characters of ``[A-Za-z0-9_.+=-]``, not starting
+    with ``.``, without ``..``. Return it unchanged."""
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"checkpoint name must be a str, not {type(name).__name__}")
+    if not name:
+        raise InvalidArgumentError("checkpoint name must not be empty")
+    if ".." in name or "/" in name or not _NAME.fullmatch(name):
+        raise InvalidArgumentError(
+            f"invalid checkpoint name {name!r}: use 1-200 characters of letters, digits and "
+            "'_.+=-', not starting with '.', without '/' or '..'"
+        )
+    return name
+
+
+def validate_path(path: object, *, what: str = "file path", allow_reserved: bool = False) -> str:
+    """Check a relative ``/``-separated path inside a checkpoint (or the store root).
+
+    Rejects empty paths and components, absolute paths, ``.``/``..``, backslashes,
+    control characters and NUL, so a path can never escape its directory.
+    """
+    if not isinstance(path, str):
+        raise InvalidArgumentError(f"{what} must be a str, not {type(path).__name__}")
+    if not path or len(path) > 1024:
+        raise InvalidArgumentError(f"{what} must be 1-1024 characters, got {len(path)}")
+    if path.startswith("/"):
+        raise InvalidArgumentError(f"{what} {path!r} must be relative")
+    for part in path.split("/"):
+        if part in ("", ".", "..") or _COMPONENT_BAD.search(part) or len(part) > 255:
+            raise InvalidArgumentError(
+                f"{what} {path!r} has an invalid component {part!r}: it could escape its "
+                "directory or is not portable"
+            )
+    if not allow_reserved and (path in RESERVED_FILES or path.split("/")[0] == RESERVED_DIR):
+        raise InvalidArgumentError(f"{what} {path!r} is reserved by atomicstore")
+    return path
+
+
+_FLOAT = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)")
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key that orders embedded numbers by value (``1e1`` after ``9``, ``-0.2``
+    before ``0.1``), as flax's ``natural_sort`` does."""
+    parts = _FLOAT.split(name)
+    key: list[tuple[int, float | str]] = []
+    for i, p in enumerate(parts):
+        if i % 2:
+            key.append((0, float(p)))
+        elif p:
+            key.append((1, p))
+    return tuple(key)
+
+
+def natural_sort(names: list[str]) -> list[str]:
+    """``names`` sorted by :func:`natural_key`."""
+    return sorted(names, key=natural_key)

@@ -1,0 +1,288 @@
+"""The store: committed checkpoints under one root, read and written through a driver."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+from ..drivers import get_driver
+from ..drivers.base import Driver
+from ..errors import ChecksumMismatchError, InvalidArgumentError, NotFoundError
+from ..retry import RetryPolicy
+from .manifest import Crc32cHasher, FileEntry, Manifest, crc32c
+from .names import natural_sort, validate_name, validate_path
+from .strategies import CommitStrategy, choose_strategy, new_attempt_id
+from .transaction import Transaction
+
+log = logging.getLogger("atomicstore")
+
+
+def default_writer_id() -> str:
+    """``host:pid:random``: who wrote a checkpoint, recorded in manifests and markers."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+class CheckedReader(io.RawIOBase):
+    """A streamed read of one file of a checkpoint that checks size and CRC32C.
+
+    The check happens incrementally while reading; reaching the end of the file with a
+    mismatch raises :class:`ChecksumMismatchError` naming the file.
+    """
+
+    def __init__(self, chunks: Iterator[bytes], entry: FileEntry, path: str, where: str) -> None:
+        self._chunks = chunks
+        self._entry = entry
+        self._path = path
+        self._where = where
+        self._hash = Crc32cHasher()
+        self._buf = memoryview(b"")
+        self._eof = False
+
+    def readable(self) -> bool:
+        return True
+
+    def _next(self) -> bool:
+        if self._eof:
+            return False
+        for chunk in self._chunks:
+            if chunk:
+                self._hash.update(chunk)
+                if self._hash.size > self._entry.size:
+                    self._entry.check(self._path, self._hash.size, self._hash.value, where=self._where)
+                self._buf = memoryview(chunk)
+                return True
+        self._eof = True
+        self._entry.check(self._path, self._hash.size, self._hash.value, where=self._where)
+        return False
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        if not len(self._buf) and not self._next():
+            return 0
+        n = min(len(out), len(self._buf))
+        out[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+    def readall(self) -> bytes:
+        parts = [bytes(self._buf)]
+        self._buf = memoryview(b"")
+        while self._next():
+            parts.append(bytes(self._buf))
+            self._buf = memoryview(b"")
+        return b"".join(parts)
+
+
+class Checkpoint:
+    """A committed checkpoint opened for reading: its manifest and its files."""
+
+    def __init__(self, store: Store, name: str, prefix: str, manifest: Manifest) -> None:
+        self.store = store
+        self.name = name
+        self.prefix = prefix
+        self.manifest = manifest
+
+    @property
+    def files(self) -> dict[str, FileEntry]:
+        return self.manifest.files
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.manifest.metadata
+
+    def _entry(self, path: str) -> FileEntry:
+        validate_path(path)
+        try:
+            return self.manifest.files[path]
+        except KeyError:
+            raise NotFoundError(f"{self.where(path)}: no such file in checkpoint") from None
+
+    def where(self, path: str) -> str:
+        return self.store.driver.describe(f"{self.name}/{path}")
+
+    def key(self, path: str) -> str:
+        """The driver key of ``path`` (for drivers' range reads)."""
+        return f"{self.prefix}/{path}"
+
+    def open(self, path: str) -> CheckedReader:
+        """Stream ``path``; its checksum is verified as it is read."""
+        entry = self._entry(path)
+        chunks = self.store.driver.iter_read(self.key(path))
+        return CheckedReader(chunks, entry, path, self.where(path))
+
+    def read_bytes(self, path: str) -> bytes:
+        """The whole of ``path``, verified against the manifest."""
+        with self.open(path) as f:
+            return f.readall()
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``path`` (not checksummed: a part of a file cannot be;
+        the pytree layer checks each leaf's own CRC32C)."""
+        entry = self._entry(path)
+        if not (0 <= start <= end <= entry.size):
+            raise InvalidArgumentError(
+                f"range [{start}, {end}) outside {self.where(path)} of {entry.size} bytes"
+            )
+        data = self.store.driver.read(self.key(path), start, end)
+        if len(data) != end - start:
+            raise ChecksumMismatchError(
+                f"{self.where(path)}: short read ({len(data)} of {end - start} bytes)", path=path
+            )
+        return data
+
+    def verify(self) -> Manifest:
+        """Re-read every file and check size and CRC32C; raise on the first mismatch
+        (:class:`ChecksumMismatchError` naming the file)."""
+        driver = self.store.driver
+        found = driver.find(self.prefix)
+        for path, entry in sorted(self.manifest.files.items()):
+            key = self.key(path)
+            if key not in found:
+                raise ChecksumMismatchError(f"{self.where(path)}: file is missing", path=path)
+            h = 0
+            n = 0
+            for chunk in driver.iter_read(key):
+                h = crc32c(chunk, h)
+                n += len(chunk)
+            entry.check(path, n, h, where=self.where(path))
+        return self.manifest
+
+
+class Store:
+    """Committed checkpoints under one root (a directory or a bucket prefix).
+
+    Create one with :func:`open_store`. The commit strategy is chosen from the driver's
+    declared capabilities: ``rename`` on POSIX and memory, ``marker`` on object stores.
+    """
+
+    def __init__(self, driver: Driver, *, writer_id: str | None = None) -> None:
+        self.driver = driver
+        self.strategy: CommitStrategy = choose_strategy(driver)
+        self.writer_id = writer_id or default_writer_id()
+
+    @property
+    def url(self) -> str:
+        return self.driver.url
+
+    # -- writing ------------------------------------------------------------------------
+    def transaction(self, name: str, *, metadata: dict[str, Any] | None = None) -> Transaction:
+        """Begin writing checkpoint ``name``. See :class:`Transaction`.
+
+        Raises :class:`~atomicstore.CommitConflictError` at once if ``name`` is already
+        committed, and :class:`~atomicstore.InvalidArgumentError` for a bad name or
+        metadata that is not a JSON object.
+        """
+        validate_name(name)
+        if metadata is not None and not isinstance(metadata, dict):
+            raise InvalidArgumentError("metadata must be a dict of JSON values")
+        if metadata:
+            import json
+
+            try:
+                json.dumps(metadata, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgumentError(f"metadata is not JSON-serialisable: {exc}") from None
+        return Transaction(self, name, metadata=metadata, attempt=new_attempt_id())
+
+    def write_file(self, path: str, data: bytes, *, overwrite: bool = True) -> None:
+        """Write one small file at the store root atomically: readers see the old content
+        or the new, never a part. With ``overwrite=False`` an existing file is not
+        replaced (:class:`~atomicstore.AlreadyExistsError`)."""
+        validate_path(path)
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise InvalidArgumentError("data must be bytes")
+        self.driver.put(path, bytes(data), exclusive=not overwrite)
+
+    def read_file(self, path: str) -> bytes:
+        """Read a file written by :meth:`write_file`."""
+        validate_path(path)
+        return self.driver.read(path)
+
+    # -- reading ------------------------------------------------------------------------
+    def list(self) -> list[str]:
+        """Names of committed checkpoints, in natural order."""
+        return natural_sort(self.strategy.list())
+
+    def exists(self, name: str) -> bool:
+        """True if ``name`` is committed."""
+        validate_name(name)
+        try:
+            self.strategy.resolve(name)
+        except NotFoundError:
+            return False
+        return True
+
+    def open(self, name: str) -> Checkpoint:
+        """Open committed checkpoint ``name`` for reading (reads and checks its manifest)."""
+        validate_name(name)
+        prefix, raw = self.strategy.resolve(name)
+        manifest = Manifest.from_bytes(raw, where=self.driver.describe(f"{name}/manifest.json"))
+        return Checkpoint(self, name, prefix, manifest)
+
+    def manifest(self, name: str) -> Manifest:
+        return self.open(name).manifest
+
+    def read_bytes(self, name: str, path: str) -> bytes:
+        """One whole file of a committed checkpoint, checksum verified."""
+        return self.open(name).read_bytes(path)
+
+    def verify(self, name: str) -> Manifest:
+        """Re-check every file of ``name`` against its manifest (see
+        :meth:`Checkpoint.verify`)."""
+        return self.open(name).verify()
+
+    # -- deleting -----------------------------------------------------------------------
+    def delete(self, name: str) -> None:
+        """Delete ``name``: its commit point first, then its data. A crash in between
+        leaves garbage for recovery, never a committed-looking partial checkpoint."""
+        validate_name(name)
+        self.strategy.unpublish(name)
+
+    def close(self) -> None:
+        self.driver.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Store {self.url} strategy={self.strategy.kind}>"
+
+
+def open_store(
+    url_or_path: str | os.PathLike[str],
+    *,
+    writer_id: str | None = None,
+    retry: RetryPolicy | None = None,
+    operation_timeout: float | None = None,
+    block_size: int | None = None,
+    **storage_options: Any,
+) -> Store:
+    """Open the store at a local path or URL (``s3://bucket/prefix``, ``gs://…``,
+    ``memory://…``, any fsspec URL).
+
+    Args:
+        url_or_path: where the checkpoints live.
+        writer_id: identity recorded in manifests and commit markers (default
+            ``host:pid:random``).
+        retry: retry policy for transient errors (default :class:`RetryPolicy()`).
+        operation_timeout: seconds one storage request may take (object stores).
+        block_size: streaming chunk / multipart part size in bytes.
+        **storage_options: passed to the fsspec filesystem unchanged (endpoint,
+            credentials, anon...). Credentials never appear in logs or errors.
+    """
+    driver = get_driver(
+        url_or_path,
+        storage_options=storage_options,
+        retry=retry,
+        operation_timeout=operation_timeout,
+        block_size=block_size,
+    )
+    return Store(driver, writer_id=writer_id)

@@ -1,0 +1,286 @@
+"""The two commit strategies, one small class each behind one protocol.
+
+:class:`RenameStrategy` for backends whose driver declares ``atomic_rename`` (POSIX,
+memory); :class:`MarkerStrategy` for the others (object stores). ``docs/commit-protocol.md``
+walks every step of both and what a crash at that step leaves behind.
+
+Layout below the store root::
+
+    rename:  <name>/                      committed: files + manifest.json
+             .atomicstore/staging/<name>.<attempt>/   in flight
+             .atomicstore/trash/<name>.<attempt>/     being deleted
+    marker:  <name>/commit_success.txt    the commit point (names the attempt)
+             <name>/attempt-<attempt>/    files + manifest.json of one attempt
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import secrets
+import time
+from abc import ABC, abstractmethod
+
+from ..drivers.base import Driver
+from ..errors import AlreadyExistsError, CommitConflictError, CorruptionError, NotFoundError
+from .manifest import Manifest, Marker, sha256
+from .names import MANIFEST_FILE, MARKER_FILE, RESERVED_DIR, validate_name
+
+log = logging.getLogger("atomicstore.commit")
+
+STAGING = f"{RESERVED_DIR}/staging"
+TRASH = f"{RESERVED_DIR}/trash"
+ATTEMPT_PREFIX = "attempt-"
+
+
+def new_attempt_id() -> str:
+    """A unique, time-ordered id for one commit attempt."""
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + secrets.token_hex(6)
+
+
+class CommitStrategy(ABC):
+    """How files staged under one attempt become one committed checkpoint."""
+
+    #: short name shown in reprs and docs
+    kind: str
+
+    def __init__(self, driver: Driver) -> None:
+        self.driver = driver
+
+    @abstractmethod
+    def begin(self, name: str, attempt: str) -> str:
+        """Prepare an attempt; return the key prefix its files are written under.
+        Raises :class:`CommitConflictError` early if ``name`` is already committed."""
+
+    @abstractmethod
+    def publish(self, name: str, attempt: str, writer: str, manifest: bytes) -> None:
+        """Write the manifest and make the attempt the committed ``name`` (the commit
+        point). Raises :class:`CommitConflictError` if another attempt won."""
+
+    @abstractmethod
+    def discard(self, name: str, attempt: str) -> None:
+        """Remove the data of an uncommitted attempt (best effort)."""
+
+    @abstractmethod
+    def resolve(self, name: str) -> tuple[str, bytes]:
+        """(data prefix, manifest bytes) of committed ``name``; :class:`NotFoundError`
+        if it is not committed."""
+
+    @abstractmethod
+    def list(self) -> list[str]:
+        """Names of committed checkpoints (unsorted)."""
+
+    @abstractmethod
+    def unpublish(self, name: str) -> None:
+        """Delete ``name``: remove the commit point first, then the data."""
+
+    def _conflict(self, name: str, winner: str | None = None) -> CommitConflictError:
+        return CommitConflictError(
+            f"checkpoint {self.driver.describe(name)} was committed by another writer"
+            + (f" ({winner})" if winner else ""),
+            name=name,
+            winner=winner,
+        )
+
+
+def _parent_dirs(paths: list[str]) -> list[str]:
+    """Every directory that holds one of ``paths``, deepest first ('' excluded)."""
+    dirs: set[str] = set()
+    for p in paths:
+        d = posixpath.dirname(p)
+        while d:
+            dirs.add(d)
+            d = posixpath.dirname(d)
+    return sorted(dirs, key=lambda d: (-d.count("/"), d))
+
+
+class RenameStrategy(CommitStrategy):
+    """Stage in a sibling directory, fsync everything, rename onto the final name."""
+
+    kind = "rename"
+
+    def _staging(self, name: str, attempt: str) -> str:
+        return f"{STAGING}/{name}.{attempt}"
+
+    def begin(self, name: str, attempt: str) -> str:
+        if self.driver.exists(name):
+            raise self._conflict(name)
+        staging = self._staging(name, attempt)
+        self.driver.makedirs(staging)
+        return staging
+
+    def publish(self, name: str, attempt: str, writer: str, manifest: bytes) -> None:
+        d = self.driver
+        staging = self._staging(name, attempt)
+        try:
+            w = d.open_writer(f"{staging}/{MANIFEST_FILE}")
+            try:
+                w.write(manifest)
+                w.close()  # fsync of the manifest
+            except BaseException:
+                w.abort()
+                raise
+            if d.capabilities.durable_fsync:
+                files = list(Manifest.from_bytes(manifest, where="staged manifest").files)
+                for sub in _parent_dirs(files):
+                    d.fsync_dir(f"{staging}/{sub}")
+                d.fsync_dir(staging)
+            d.rename(staging, name)  # the commit point
+        except AlreadyExistsError:
+            self.discard(name, attempt)
+            raise self._conflict(name) from None
+        except BaseException:
+            self.discard(name, attempt)
+            raise
+        # Committed. A failure below leaves a committed (maybe not yet durable) checkpoint.
+        if d.capabilities.durable_fsync:
+            d.fsync_dir("")  # make the new entry durable
+            d.fsync_dir(STAGING)  # and the staging entry's removal
+
+    def discard(self, name: str, attempt: str) -> None:
+        try:
+            self.driver.delete_tree(self._staging(name, attempt))
+        except Exception as exc:  # noqa: BLE001 - recovery removes what is left
+            log.warning("could not remove staged %s: %s", name, exc)
+
+    def resolve(self, name: str) -> tuple[str, bytes]:
+        try:
+            return name, self.driver.read(f"{name}/{MANIFEST_FILE}")
+        except NotFoundError:
+            raise NotFoundError(f"no committed checkpoint {self.driver.describe(name)}") from None
+
+    def list(self) -> list[str]:
+        out = []
+        for e in self.driver.listdir(""):
+            if not e.is_dir or e.name.startswith("."):
+                continue
+            try:
+                validate_name(e.name)
+            except ValueError:
+                continue
+            if self.driver.exists(f"{e.name}/{MANIFEST_FILE}"):
+                out.append(e.name)
+        return out
+
+    def unpublish(self, name: str) -> None:
+        d = self.driver
+        trash = f"{TRASH}/{name}.{new_attempt_id()}"
+        d.makedirs(TRASH)
+        try:
+            d.rename(name, trash)  # un-publish: the name is gone in one step
+        except NotFoundError:
+            raise NotFoundError(f"no committed checkpoint {d.describe(name)}") from None
+        if d.capabilities.durable_fsync:
+            d.fsync_dir("")
+        d.delete_tree(trash)
+
+
+class MarkerStrategy(CommitStrategy):
+    """Write the attempt's files and manifest, then create the marker conditionally."""
+
+    kind = "marker"
+
+    def _prefix(self, name: str, attempt: str) -> str:
+        return f"{name}/{ATTEMPT_PREFIX}{attempt}"
+
+    def begin(self, name: str, attempt: str) -> str:
+        if self.driver.exists(f"{name}/{MARKER_FILE}"):
+            raise self._conflict(name)
+        return self._prefix(name, attempt)
+
+    def publish(self, name: str, attempt: str, writer: str, manifest: bytes) -> None:
+        d = self.driver
+        try:
+            d.put(f"{self._prefix(name, attempt)}/{MANIFEST_FILE}", manifest)
+        except BaseException:
+            self.discard(name, attempt)
+            raise
+        marker = Marker.new(name, attempt, writer, manifest)
+        try:
+            d.put(f"{name}/{MARKER_FILE}", marker.to_bytes(), exclusive=True)  # commit point
+        except AlreadyExistsError:
+            # Either another writer won, or our own write was applied and only the reply
+            # was lost (the retry was then refused): read it back to know which.
+            try:
+                current = self.read_marker(name)
+            except (NotFoundError, CorruptionError):
+                current = None
+            if current is not None and current.attempt == attempt:
+                log.info("commit of %s: reply lost, marker is ours", d.describe(name))
+                return
+            self.discard(name, attempt)
+            raise self._conflict(name, current.writer if current else None) from None
+        except Exception:
+            # The marker write may or may not have been applied (a timeout, a lost reply
+            # then no more retries): if it is ours, we committed; otherwise the attempt's
+            # data is left for recovery, because a late write of our marker could still
+            # land and must never point at deleted data.
+            try:
+                if self.read_marker(name).attempt == attempt:
+                    return
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+            raise
+
+    def discard(self, name: str, attempt: str) -> None:
+        try:
+            self.driver.delete_tree(self._prefix(name, attempt))
+        except Exception as exc:  # noqa: BLE001 - recovery removes what is left
+            log.warning("could not remove attempt %s of %s: %s", attempt, name, exc)
+
+    def read_marker(self, name: str) -> Marker:
+        key = f"{name}/{MARKER_FILE}"
+        return Marker.from_bytes(self.driver.read(key), where=self.driver.describe(key))
+
+    def resolve(self, name: str) -> tuple[str, bytes]:
+        try:
+            marker = self.read_marker(name)
+        except NotFoundError:
+            raise NotFoundError(f"no committed checkpoint {self.driver.describe(name)}") from None
+        if marker.name != name:
+            raise CorruptionError(f"{self.driver.describe(name)}: marker names {marker.name!r}")
+        prefix = self._prefix(name, marker.attempt)
+        key = f"{prefix}/{MANIFEST_FILE}"
+        try:
+            manifest = self.driver.read(key)
+        except NotFoundError:
+            raise CorruptionError(
+                f"{self.driver.describe(key)}: the commit marker names a manifest that is missing",
+                path=MANIFEST_FILE,
+            ) from None
+        if sha256(manifest) != marker.manifest_sha256:
+            raise CorruptionError(
+                f"{self.driver.describe(key)}: manifest does not match its commit marker",
+                path=MANIFEST_FILE,
+            )
+        return prefix, manifest
+
+    def list(self) -> list[str]:
+        out = []
+        for key in self.driver.find(""):
+            name, _, rest = key.partition("/")
+            if rest == MARKER_FILE:
+                try:
+                    out.append(validate_name(name))
+                except ValueError:
+                    continue
+        return out
+
+    def unpublish(self, name: str) -> None:
+        d = self.driver
+        try:
+            marker = self.read_marker(name)
+        except NotFoundError:
+            raise NotFoundError(f"no committed checkpoint {d.describe(name)}") from None
+        except CorruptionError:
+            marker = None
+        d.delete(f"{name}/{MARKER_FILE}")  # un-publish first
+        if marker is not None:
+            d.delete_tree(self._prefix(name, marker.attempt))
+
+
+def choose_strategy(driver: Driver) -> CommitStrategy:
+    """Rename where the driver declares atomic rename, marker otherwise."""
+    if driver.capabilities.atomic_rename:
+        return RenameStrategy(driver)
+    return MarkerStrategy(driver)

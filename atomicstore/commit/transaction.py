@@ -1,0 +1,191 @@
+"""A transaction: any number of streamed files committed as one checkpoint, or none."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from ..drivers.base import Writer
+from ..errors import InvalidArgumentError, TransactionError
+from .manifest import Crc32cHasher, FileEntry, Manifest
+from .names import validate_path
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger("atomicstore.commit")
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+class TransactionFile:
+    """A file being written inside a transaction: write bytes, then close.
+
+    Computes the file's CRC32C while streaming; the bytes go straight to the driver's
+    writer (bounded memory: at most one block buffered on object stores).
+    """
+
+    def __init__(self, txn: Transaction, path: str, writer: Writer) -> None:
+        self._txn = txn
+        self.path = path
+        self._writer = writer
+        self._hash = Crc32cHasher()
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self.closed:
+            raise TransactionError(f"write to closed file {self.path!r}")
+        mv = memoryview(data).cast("B")
+        self._hash.update(mv)
+        self._writer.write(mv)
+        return mv.nbytes
+
+    @property
+    def bytes_written(self) -> int:
+        return self._hash.size
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self._writer.close()
+        self.closed = True
+        self._txn._file_done(self.path, FileEntry(self._hash.size, self._hash.value))
+
+    def abort(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._writer.abort()
+
+    def __enter__(self) -> TransactionFile:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, *_: Any) -> None:
+        if et is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class Transaction:
+    """Write files under one checkpoint name; commit them all at once or not at all.
+
+    Use as a context manager: leaving the block normally commits, an exception aborts
+    (nothing becomes visible and the staged data is removed)::
+
+        with store.transaction("step_100", metadata={"step": 100}) as txn:
+            with txn.open("state.bin") as f:
+                f.write(payload)
+            txn.write_bytes("meta.json", b"{}")
+
+    Files may be written from several threads at once. ``commit`` raises
+    :class:`~atomicstore.CommitConflictError` if another writer committed the name first.
+    """
+
+    def __init__(self, store: Store, name: str, *, metadata: dict[str, Any] | None, attempt: str) -> None:
+        self.store = store
+        self.name = name
+        self.attempt = attempt
+        self.metadata = dict(metadata or {})
+        self._files: dict[str, FileEntry] = {}
+        self._open: dict[str, TransactionFile] = {}
+        self._lock = threading.Lock()
+        self._state = _State.OPEN
+        self._prefix = store.strategy.begin(name, attempt)
+        self.started = time.time()
+
+    # -- writing ------------------------------------------------------------------------
+    def open(self, path: str) -> TransactionFile:
+        """Start writing ``path`` (relative, ``/``-separated) inside the checkpoint."""
+        validate_path(path)
+        with self._lock:
+            self._check_open()
+            if path in self._files or path in self._open:
+                raise InvalidArgumentError(f"{path!r} is already written in this transaction")
+            f = TransactionFile(self, path, self.store.driver.open_writer(f"{self._prefix}/{path}"))
+            self._open[path] = f
+            return f
+
+    def write_bytes(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        """Write a whole file at once."""
+        with self.open(path) as f:
+            f.write(data)
+
+    def _file_done(self, path: str, entry: FileEntry) -> None:
+        with self._lock:
+            self._open.pop(path, None)
+            self._files[path] = entry
+
+    @property
+    def files(self) -> dict[str, FileEntry]:
+        """Files closed so far, with sizes and CRC32C."""
+        with self._lock:
+            return dict(self._files)
+
+    def _check_open(self) -> None:
+        if self._state is not _State.OPEN:
+            raise TransactionError(f"transaction for {self.name!r} is already {self._state.value}")
+
+    # -- ending -------------------------------------------------------------------------
+    def commit(self) -> Manifest:
+        """Write the manifest and publish the checkpoint. Returns its manifest."""
+        with self._lock:
+            self._check_open()
+            if self._open:
+                raise TransactionError(
+                    f"cannot commit {self.name!r}: files still open: {sorted(self._open)}"
+                )
+            manifest = Manifest(
+                name=self.name,
+                attempt=self.attempt,
+                writer=self.store.writer_id,
+                created=self.started,
+                files=dict(self._files),
+                metadata=self.metadata,
+            )
+            data = manifest.to_bytes()
+            try:
+                # publish cleans up after itself where that is provably safe
+                self.store.strategy.publish(self.name, self.attempt, self.store.writer_id, data)
+            except BaseException:
+                self._state = _State.ABORTED
+                raise
+            self._state = _State.COMMITTED
+        log.info("committed %s (%d files, %d bytes)", self.store.driver.describe(self.name),
+                 len(manifest.files), manifest.total_bytes)
+        return manifest
+
+    def abort(self) -> None:
+        """Discard everything written; nothing becomes visible. Idempotent."""
+        with self._lock:
+            if self._state is not _State.OPEN:
+                return
+            self._state = _State.ABORTED
+            pending = list(self._open.values())
+            self._open.clear()
+        for f in pending:
+            f.abort()
+        self.store.strategy.discard(self.name, self.attempt)
+
+    @property
+    def committed(self) -> bool:
+        return self._state is _State.COMMITTED
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if et is None:
+            if self._state is _State.OPEN:
+                self.commit()
+        else:
+            self.abort()

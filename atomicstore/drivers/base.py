@@ -1,0 +1,504 @@
+"""What a driver is: facts about a backend plus primitive operations.
+
+A driver does no protocol work. It states what the backend guarantees
+(:class:`Capabilities`) and performs primitive operations on keys relative to its root.
+The commit layer reads the capabilities and picks a commit strategy.
+
+Keys are ``/``-separated relative paths, already validated by the commit layer; a driver
+never sees ``..`` or an absolute key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from ..errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NotFoundError,
+    StorageError,
+    StorageTimeoutError,
+)
+from ..retry import RetryPolicy
+
+log = logging.getLogger("atomicstore.drivers")
+T = TypeVar("T")
+
+#: Default chunk size for streamed reads and writes (bytes).
+DEFAULT_BLOCK_SIZE = 16 * 2**20
+#: Default per-request timeout on object stores (seconds).
+DEFAULT_OPERATION_TIMEOUT = 120.0
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend guarantees. The commit layer chooses its strategy from these facts.
+
+    Attributes:
+        atomic_rename: renaming a whole directory is one atomic step that either happens
+            or not, and refuses to replace an existing target (POSIX ``rename``).
+        atomic_create: an exclusive create ("put if absent") is enforced by the backend, so
+            of two concurrent creators exactly one wins.
+        durable_fsync: data and directory entries are durable only after ``fsync``; the
+            driver's writers fsync files on close and ``fsync_dir`` is meaningful.
+        directories: the backend has real directories (which can be empty, renamed,
+            fsynced); object stores only have key prefixes.
+        native_crc32c: ``info`` returns the backend's own CRC32C of an object.
+        multipart_uploads: interrupted uploads can leave invisible parts that cost money
+            until aborted (S3); recovery lists and aborts them.
+    """
+
+    atomic_rename: bool
+    atomic_create: bool
+    durable_fsync: bool
+    directories: bool
+    native_crc32c: bool = False
+    multipart_uploads: bool = False
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """Size (and the backend's CRC32C, if it keeps one) of a stored object."""
+
+    key: str
+    size: int
+    crc32c: int | None = None
+    mtime: float | None = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One child of a listed prefix: a file or a directory/prefix."""
+
+    name: str
+    is_dir: bool
+
+
+class Writer(ABC):
+    """A streamed write of one object. Nothing is visible at the key before ``close``.
+
+    ``close`` makes the object complete at its key (on POSIX: written and fsynced);
+    ``abort`` discards whatever was written, best effort.
+    """
+
+    @abstractmethod
+    def write(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None: ...
+
+
+class Driver(ABC):
+    """Base class of every driver.
+
+    Subclasses set ``protocols`` and ``capabilities`` and implement the primitives.
+    A driver is created by :func:`atomicstore.drivers.get_driver` from a URL.
+    """
+
+    #: URL protocols this driver serves (the first one is the canonical name).
+    protocols: ClassVar[tuple[str, ...]] = ()
+    capabilities: ClassVar[Capabilities]
+
+    def __init__(
+        self,
+        fs: Any,
+        root: str,
+        *,
+        url: str,
+        retry: RetryPolicy | None = None,
+        operation_timeout: float | None = DEFAULT_OPERATION_TIMEOUT,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        secrets: tuple[str, ...] = (),
+    ) -> None:
+        if operation_timeout is not None and operation_timeout <= 0:
+            raise InvalidArgumentError("operation_timeout must be > 0 or None")
+        if block_size < 2**18:
+            raise InvalidArgumentError("block_size must be at least 256 KiB")
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url
+        self.retry = retry or RetryPolicy()
+        self.operation_timeout = operation_timeout
+        self.block_size = block_size
+        self._secrets = tuple(s for s in secrets if s)
+
+    @classmethod
+    def from_url(
+        cls, protocol: str, path: str, storage_options: dict[str, Any], **kwargs: Any
+    ) -> Driver:
+        """Build the driver for ``protocol://path``; ``storage_options`` go to fsspec."""
+        fs = cls.make_filesystem(protocol, storage_options)
+        root = fs._strip_protocol(f"{protocol}://{path}").rstrip("/")
+        if not root:
+            raise InvalidArgumentError(f"{protocol}:// needs a bucket or root path")
+        return cls(fs, root, url=f"{protocol}://{root}", **kwargs)
+
+    @classmethod
+    def make_filesystem(cls, protocol: str, storage_options: dict[str, Any]) -> Any:
+        import fsspec
+
+        return fsspec.filesystem(protocol, **storage_options)
+
+    # -- naming -------------------------------------------------------------------------
+    def path(self, key: str) -> str:
+        """The backend path of ``key``."""
+        return f"{self.root}/{key}" if key else self.root
+
+    def describe(self, key: str = "") -> str:
+        """``key`` as a URL for messages (never with credentials)."""
+        return f"{self.url.rstrip('/')}/{key}" if key else self.url
+
+    def redact(self, text: str) -> str:
+        """Remove every credential this driver was given from ``text``."""
+        for s in self._secrets:
+            text = text.replace(s, "***")
+        return text
+
+    def wrap_error(self, op: str, key: str, exc: BaseException) -> Exception:
+        """Translate a backend error into the library's hierarchy (credentials redacted)."""
+        if isinstance(exc, StorageError | NotFoundError | AlreadyExistsError):
+            return exc
+        where = self.describe(key)
+        detail = self.redact(f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, FileNotFoundError):
+            return NotFoundError(f"{op}: not found: {where}")
+        if isinstance(exc, FileExistsError) or http_status_of(exc) == 412:
+            return AlreadyExistsError(f"{op}: already exists: {where}")
+        if isinstance(exc, TimeoutError):
+            return StorageTimeoutError(
+                f"{op} {where} did not finish within {self.operation_timeout}s"
+            )
+        return StorageError(f"{op} {where} failed: {detail}")
+
+    # -- facts --------------------------------------------------------------------------
+    def is_transient(self, exc: BaseException) -> bool:
+        """True if ``exc`` is worth retrying (throttling, 5xx, connection reset)."""
+        return False
+
+    # -- primitives ---------------------------------------------------------------------
+    @abstractmethod
+    def open_writer(self, key: str) -> Writer:
+        """Start a streamed write of ``key`` (overwrite; nothing visible before close)."""
+
+    @abstractmethod
+    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Write a small object in one step. With ``exclusive``, raise
+        :class:`AlreadyExistsError` if ``key`` exists (atomically where the backend can)."""
+
+    @abstractmethod
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``key`` (the whole object by default)."""
+
+    def iter_read(self, key: str, chunk_size: int | None = None) -> Iterator[bytes]:
+        """Stream ``key`` in chunks (range reads by default)."""
+        chunk = chunk_size or self.block_size
+        size = self.info(key).size
+        pos = 0
+        while pos < size:
+            data = self.read(key, pos, min(size, pos + chunk))
+            if not data:
+                raise StorageError(f"read {self.describe(key)}: unexpected end at byte {pos}")
+            pos += len(data)
+            yield data
+
+    @abstractmethod
+    def info(self, key: str) -> FileInfo:
+        """Size (and native checksum) of ``key``; :class:`NotFoundError` if absent."""
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.info(key)
+        except NotFoundError:
+            return False
+        return True
+
+    @abstractmethod
+    def listdir(self, prefix: str = "") -> list[Entry]:
+        """Immediate children of ``prefix`` (empty if it does not exist)."""
+
+    @abstractmethod
+    def find(self, prefix: str = "") -> dict[str, FileInfo]:
+        """Every object below ``prefix``, keyed by key relative to the root."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete one object; a missing one is not an error."""
+
+    def delete_tree(self, prefix: str) -> None:
+        """Delete everything below ``prefix``; missing is not an error."""
+        for key in sorted(self.find(prefix), reverse=True):
+            self.delete(key)
+
+    def rename(self, src: str, dst: str) -> None:
+        """Atomically rename the tree ``src`` to ``dst``, refusing to replace ``dst``
+        (:class:`AlreadyExistsError`). Only drivers with ``atomic_rename`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no atomic rename")
+
+    def fsync_dir(self, key: str) -> None:
+        """Make the entries of directory ``key`` durable (no-op without directories)."""
+
+    def makedirs(self, key: str) -> None:
+        """Create directory ``key`` and its parents (no-op on object stores)."""
+
+    # -- multipart housekeeping (object stores with multipart_uploads) -----------------
+    def list_incomplete_uploads(self, prefix: str = "") -> list[tuple[str, str, float]]:
+        """(key, upload id, start time) of unfinished multipart uploads below ``prefix``."""
+        return []
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort one unfinished multipart upload."""
+
+    def close(self) -> None:
+        """Release resources held by the driver."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url}>"
+
+
+def _walk_chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
+_TRANSIENT_TEXT = re.compile(
+    r"SlowDown|Throttl|TooManyRequests|RequestTimeout|InternalError|ServiceUnavailable|"
+    r"\b(429|500|502|503|504)\b|Connection reset|Server disconnected|ConnectionReset|"
+    r"reduce your request rate",
+    re.IGNORECASE,
+)
+
+
+def http_status_of(exc: BaseException) -> int | None:
+    """The HTTP status carried by a botocore/gcsfs/aiohttp error, if any."""
+    for e in _walk_chain(exc):
+        resp = getattr(e, "response", None)
+        if isinstance(resp, Mapping):
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status:
+                return int(status)
+        for attr in ("code", "status"):
+            val = getattr(e, attr, None)
+            if isinstance(val, int) and 100 <= val < 600:
+                return val
+    return None
+
+
+class AsyncFsspecDriver(Driver):
+    """Helpers for drivers over fsspec's async filesystems (s3fs, gcsfs, ...).
+
+    Every request runs as a coroutine on the filesystem's own event loop under
+    ``asyncio.wait_for(operation_timeout)`` and the retry policy, so a stalled request is
+    cancelled and fails with :class:`StorageTimeoutError` instead of hanging the caller.
+    A timeout is not retried: the caller learns within the timeout plus a small margin.
+    """
+
+    #: exception types (besides HTTP 429/5xx) that are transient for this backend
+    transient_types: ClassVar[tuple[type[BaseException], ...]] = (ConnectionError,)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        if isinstance(exc, TimeoutError | FileNotFoundError | FileExistsError | PermissionError):
+            # timeouts are final by design; 404/412/403 are answers, not faults
+            return False
+        status = http_status_of(exc)
+        if status is not None:
+            return status == 429 or status >= 500
+        for e in _walk_chain(exc):
+            if isinstance(e, self.transient_types):
+                return True
+        return bool(_TRANSIENT_TEXT.search(str(exc)))
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self.fs.loop
+
+    def submit(
+        self, op: str, key: str, make: Callable[[], Awaitable[T]]
+    ) -> concurrent.futures.Future[T]:
+        """Run ``make()`` on the filesystem loop with timeout and retries; a future."""
+
+        async def run() -> T:
+            try:
+                async for attempt in self.retry.async_retrying(self.is_transient):
+                    with attempt:
+                        return await asyncio.wait_for(make(), self.operation_timeout)
+            except BaseException as exc:  # noqa: BLE001 - translated below
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                raise self.wrap_error(op, key, exc) from exc
+            raise AssertionError("unreachable")  # pragma: no cover
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop())
+
+    def call(self, op: str, key: str, make: Callable[[], Awaitable[T]]) -> T:
+        """Like :meth:`submit`, waiting for the result."""
+        return self.submit(op, key, make).result()
+
+    # Generic primitives through fsspec's async API --------------------------------------
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self.call("read", key, lambda: self.fs._cat_file(self.path(key), start=start, end=end))
+
+    def info(self, key: str) -> FileInfo:
+        raw = self.call("info", key, lambda: self.fs._info(self.path(key)))
+        if raw.get("type") == "directory":
+            raise NotFoundError(f"info: not a file: {self.describe(key)}")
+        return FileInfo(key, int(raw.get("size") or 0), self._native_crc32c(raw), None)
+
+    def _native_crc32c(self, raw: Mapping[str, Any]) -> int | None:
+        return None
+
+    def _rel(self, path: str) -> str:
+        path = path.rstrip("/")
+        root = self.root + "/"
+        return path[len(root):] if path.startswith(root) else path
+
+    def listdir(self, prefix: str = "") -> list[Entry]:
+        async def ls() -> list[dict]:
+            try:
+                return await self.fs._ls(self.path(prefix), detail=True, refresh=True)
+            except FileNotFoundError:
+                return []
+
+        out = self.call("list", prefix, ls)
+        base = self.path(prefix).rstrip("/") + "/"
+        entries = []
+        for item in out:
+            name = item["name"].rstrip("/")
+            if not name.startswith(base):
+                continue
+            entries.append(Entry(name[len(base):], item.get("type") == "directory"))
+        return entries
+
+    def find(self, prefix: str = "") -> dict[str, FileInfo]:
+        async def find() -> dict:
+            self.fs.invalidate_cache()
+            try:
+                return await self.fs._find(self.path(prefix), detail=True)
+            except FileNotFoundError:
+                return {}
+
+        out = self.call("find", prefix, find)
+        return {
+            self._rel(name): FileInfo(self._rel(name), int(v.get("size") or 0), self._native_crc32c(v))
+            for name, v in out.items()
+            if v.get("type") != "directory"
+        }
+
+    def delete(self, key: str) -> None:
+        async def rm() -> None:
+            try:
+                await self.fs._rm_file(self.path(key))
+            except FileNotFoundError:
+                pass
+
+        self.call("delete", key, rm)
+
+    def delete_tree(self, prefix: str) -> None:
+        keys = sorted(self.find(prefix), reverse=True)
+        futures = [self.submit("delete", k, self._rm_one(k)) for k in keys]
+        for f in futures:
+            f.result()
+
+    def _rm_one(self, key: str) -> Callable[[], Awaitable[None]]:
+        async def rm() -> None:
+            try:
+                await self.fs._rm_file(self.path(key))
+            except FileNotFoundError:
+                pass
+
+        return rm
+
+
+class BufferedPartWriter(Writer):
+    """A streamed object upload: small objects go in one request, large ones in parts.
+
+    Holds at most ``block_size`` bytes plus the parts in flight (``max_in_flight``), so
+    memory stays bounded whatever the object's size. Subclasses implement the backend's
+    multipart calls.
+    """
+
+    max_in_flight = 4
+
+    def __init__(self, driver: AsyncFsspecDriver, key: str) -> None:
+        self.driver = driver
+        self.key = key
+        self.buf = bytearray()
+        self.offset = 0  # bytes handed to the backend so far
+        self.started = False
+        self.inflight: list[concurrent.futures.Future[Any]] = []
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        mv = memoryview(data).cast("B")
+        bs = self.driver.block_size
+        while len(mv):
+            take = min(bs - len(self.buf), len(mv))
+            self.buf += mv[:take]
+            mv = mv[take:]
+            if len(self.buf) >= bs:
+                self._flush_part(final=False)
+
+    def _flush_part(self, *, final: bool) -> None:
+        if not self.started:
+            self._start()
+            self.started = True
+        data = bytes(self.buf)
+        self.buf = bytearray()
+        fut = self._upload_part(data, self.offset, final)
+        self.offset += len(data)
+        self.inflight.append(fut)
+        if len(self.inflight) >= self.max_in_flight or final:
+            self._drain(all_=final)
+
+    def _drain(self, *, all_: bool) -> None:
+        while self.inflight and (all_ or len(self.inflight) >= self.max_in_flight):
+            self.inflight.pop(0).result()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        if not self.started:
+            self.driver.put(self.key, bytes(self.buf))
+            self.buf = bytearray()
+        else:
+            self._flush_part(final=True)
+            self._complete()
+        self.closed = True
+
+    def abort(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for f in self.inflight:
+            f.cancel()
+        self.inflight.clear()
+        if self.started:
+            try:
+                self._abort()
+            except Exception as exc:  # noqa: BLE001 - best effort; recovery cleans up
+                log.warning("could not abort upload of %s: %s", self.driver.describe(self.key), exc)
+
+    # backend hooks
+    @abstractmethod
+    def _start(self) -> None: ...
+
+    @abstractmethod
+    def _upload_part(self, data: bytes, offset: int, final: bool) -> concurrent.futures.Future[Any]: ...
+
+    @abstractmethod
+    def _complete(self) -> None: ...
+
+    @abstractmethod
+    def _abort(self) -> None: ...

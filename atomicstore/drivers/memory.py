@@ -1,0 +1,121 @@
+"""fsspec's in-memory filesystem (for tests and examples).
+
+Facts: every operation of this driver holds one lock, so a rename of a whole tree and a
+put-if-absent are atomic with respect to every other operation through a memory driver.
+Nothing is durable (it is memory), so fsync is moot. Strategy: rename.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from typing import Any
+
+from ..errors import AlreadyExistsError, NotFoundError
+from .base import Capabilities, Driver, Entry, FileInfo, Writer
+
+_LOCK = threading.RLock()
+
+
+class _MemoryWriter(Writer):
+    def __init__(self, driver: MemoryDriver, key: str) -> None:
+        self.driver, self.key, self.buf = driver, key, io.BytesIO()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.buf.write(data)
+
+    def close(self) -> None:
+        if self.buf is not None:
+            self.driver.put(self.key, self.buf.getvalue())
+            self.buf = None  # type: ignore[assignment]
+
+    def abort(self) -> None:
+        self.buf = None  # type: ignore[assignment]
+
+
+class MemoryDriver(Driver):
+    """In-memory storage shared by all memory drivers of the process."""
+
+    protocols = ("memory",)
+    capabilities = Capabilities(
+        atomic_rename=True, atomic_create=True, durable_fsync=False, directories=True
+    )
+
+    @classmethod
+    def make_filesystem(cls, protocol: str, storage_options: dict[str, Any]) -> Any:
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        return MemoryFileSystem(**storage_options)
+
+    def _store(self) -> dict:
+        return self.fs.store
+
+    def _children(self, prefix: str) -> list[str]:
+        base = self.path(prefix).rstrip("/") + "/"
+        return [k for k in self._store() if k.startswith(base)]
+
+    def open_writer(self, key: str) -> Writer:
+        return _MemoryWriter(self, key)
+
+    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        with _LOCK:
+            path = self.path(key)
+            if exclusive and (path in self._store() or self._children(key)):
+                raise AlreadyExistsError(f"put: already exists: {self.describe(key)}")
+            self.fs.pipe_file(path, bytes(data))
+
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        with _LOCK:
+            f = self._store().get(self.path(key))
+            if f is None:
+                raise NotFoundError(f"read: not found: {self.describe(key)}")
+            return bytes(f.getbuffer()[start:end])
+
+    def info(self, key: str) -> FileInfo:
+        with _LOCK:
+            f = self._store().get(self.path(key))
+            if f is None:
+                raise NotFoundError(f"info: not found: {self.describe(key)}")
+            return FileInfo(key, f.getbuffer().nbytes, None, f.modified.timestamp())
+
+    def listdir(self, prefix: str = "") -> list[Entry]:
+        with _LOCK:
+            base = self.path(prefix).rstrip("/") + "/"
+            names: dict[str, bool] = {}
+            for k in self._store():
+                if k.startswith(base):
+                    head, sep, _ = k[len(base):].partition("/")
+                    names[head] = names.get(head, False) or bool(sep)
+            return [Entry(n, d) for n, d in names.items()]
+
+    def find(self, prefix: str = "") -> dict[str, FileInfo]:
+        with _LOCK:
+            out = {}
+            root = self.root + "/"
+            for k in self._children(prefix):
+                rel = k[len(root):]
+                out[rel] = FileInfo(rel, self._store()[k].getbuffer().nbytes)
+            return out
+
+    def delete(self, key: str) -> None:
+        with _LOCK:
+            self._store().pop(self.path(key), None)
+
+    def delete_tree(self, prefix: str) -> None:
+        with _LOCK:
+            for k in self._children(prefix):
+                del self._store()[k]
+            self._store().pop(self.path(prefix), None)
+
+    def rename(self, src: str, dst: str) -> None:
+        with _LOCK:
+            store = self._store()
+            if self.path(dst) in store or self._children(dst):
+                raise AlreadyExistsError(f"rename: already exists: {self.describe(dst)}")
+            old = self.path(src).rstrip("/") + "/"
+            new = self.path(dst).rstrip("/") + "/"
+            moving = self._children(src)
+            if not moving:
+                raise NotFoundError(f"rename: not found: {self.describe(src)}")
+            for k in moving:
+                store[new + k[len(old):]] = store.pop(k)

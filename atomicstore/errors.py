@@ -1,0 +1,85 @@
+"""The one exception hierarchy of atomicstore.
+
+Every error the library raises on purpose derives from :class:`AtomicStoreError`.
+Several also derive from the matching builtin (``ValueError``, ``FileNotFoundError``,
+``FileExistsError``, ``TimeoutError``, ``OSError``) so that existing ``except`` clauses in
+callers keep working.
+"""
+
+from __future__ import annotations
+
+
+class AtomicStoreError(Exception):
+    """Base class of every error raised by atomicstore."""
+
+
+class InvalidArgumentError(AtomicStoreError, ValueError):
+    """An argument of a public call is malformed (raised before anything is written)."""
+
+
+class UnknownProtocolError(InvalidArgumentError):
+    """No driver is registered for a URL's protocol, and fsspec does not know it either."""
+
+
+class NotFoundError(AtomicStoreError, FileNotFoundError):
+    """A checkpoint or a file inside one does not exist (or is not committed)."""
+
+
+class AlreadyExistsError(AtomicStoreError, FileExistsError):
+    """A file or checkpoint that must not be replaced already exists."""
+
+
+class CommitConflictError(AlreadyExistsError):
+    """Another writer committed the same checkpoint name first; this attempt lost.
+
+    None of the losing attempt's bytes are part of the committed checkpoint.
+    """
+
+    def __init__(self, message: str, *, name: str = "", winner: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.winner = winner
+
+
+class TransactionError(AtomicStoreError, RuntimeError):
+    """A transaction was used in a way its state does not allow (e.g. write after commit)."""
+
+
+class StorageError(AtomicStoreError, OSError):
+    """A storage operation failed (after the retry policy gave up, if it was transient)."""
+
+
+class StorageTimeoutError(StorageError, TimeoutError):
+    """A storage operation did not finish within its timeout."""
+
+
+class CorruptionError(AtomicStoreError):
+    """Stored data is damaged or not what the manifest promises.
+
+    ``path`` names the file (relative to the checkpoint) and ``leaf`` the tree leaf when
+    the pytree layer knows it.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, leaf: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.leaf = leaf
+
+
+class ChecksumMismatchError(CorruptionError):
+    """A file's bytes do not match the size or CRC32C recorded in its manifest."""
+
+
+__all__ = [
+    "AlreadyExistsError",
+    "AtomicStoreError",
+    "ChecksumMismatchError",
+    "CommitConflictError",
+    "CorruptionError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "StorageError",
+    "StorageTimeoutError",
+    "TransactionError",
+    "UnknownProtocolError",
+]
