@@ -72,6 +72,7 @@ def natural_key(name: str) -> tuple:
             key.append((0, float(p)))
         elif p:
             key.append((1, p))
+    key.append((2, name))  # equal values ("10", "1e1") still sort deterministically
     return tuple(key)
 
 

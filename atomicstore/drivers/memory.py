@@ -78,6 +78,10 @@ class MemoryDriver(Driver):
                 raise NotFoundError(f"info: not found: {self.describe(key)}")
             return FileInfo(key, f.getbuffer().nbytes, None, f.modified.timestamp())
 
+    def exists(self, key: str) -> bool:
+        with _LOCK:
+            return self.path(key) in self._store() or bool(self._children(key))
+
     def listdir(self, prefix: str = "") -> list[Entry]:
         with _LOCK:
             base = self.path(prefix).rstrip("/") + "/"

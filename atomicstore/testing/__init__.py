@@ -1,0 +1,1 @@
+"""Test support shipped with the package: object-store fakes and fault injection."""

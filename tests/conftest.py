@@ -1,0 +1,76 @@
+"""Fixtures: one protocol suite over local disk, memory, S3 (moto) and GCS (our fake).
+
+The object-store fakes are real HTTP servers on 127.0.0.1 started by the tests, each
+behind atomicstore's fault injector (which starts with no faults for every test).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+import atomicstore
+from atomicstore.testing.servers import FakeGCS, FakeS3
+
+BACKENDS = ["local", "memory", "s3", "gcs"]
+OBJECT_BACKENDS = ["s3", "gcs"]
+
+FAST_RETRY = atomicstore.RetryPolicy(attempts=8, initial_wait=0.01, max_wait=0.2, deadline=30)
+
+
+@dataclass
+class Backend:
+    """Where a test's store lives, and how to open more handles on it."""
+
+    kind: str
+    url: str
+    options: dict[str, Any] = field(default_factory=dict)
+    server: Any = None
+
+    def open(self, **kwargs: Any) -> atomicstore.Store:
+        kwargs.setdefault("retry", FAST_RETRY)
+        return atomicstore.open_store(self.url, **self.options, **kwargs)
+
+    def faults(self, plan: Any) -> None:
+        assert self.server is not None, "faults need an object-store backend"
+        self.server.faults(plan)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[FakeS3]:
+    srv = FakeS3()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[FakeGCS]:
+    srv = FakeGCS()
+    yield srv
+    srv.stop()
+
+
+def make_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Any) -> Backend:
+    if kind == "local":
+        return Backend("local", str(tmp_path / "store"))
+    if kind == "memory":
+        return Backend("memory", f"memory://t-{secrets.token_hex(6)}")
+    server = request.getfixturevalue(f"{kind}_server")
+    server.faults(None)
+    request.addfinalizer(lambda: server.faults(None))
+    bucket = server.new_bucket()
+    return Backend(kind, server.url(bucket, "ckpts"), server.storage_options(), server)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Backend:
+    return make_backend(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=OBJECT_BACKENDS)
+def object_backend(request: pytest.FixtureRequest, tmp_path: Any) -> Backend:
+    return make_backend(request.param, request, tmp_path)
