@@ -81,14 +81,18 @@ def driver_class(protocol: str) -> type[Driver]:
             ) from None
     import fsspec
 
-    if protocol in fsspec.available_protocols():
-        from .generic import GenericDriver
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise UnknownProtocolError(
+            f"unknown protocol {protocol!r}: no atomicstore driver and no fsspec filesystem "
+            f"serves it (atomicstore drivers: {', '.join(sorted(set(_BUILTIN) | set(_REGISTERED)))})"
+        ) from None
+    except ImportError as exc:
+        raise InvalidArgumentError(f"the fsspec filesystem for {protocol!r} is not installed: {exc}") from None
+    from .generic import GenericDriver
 
-        return GenericDriver
-    raise UnknownProtocolError(
-        f"unknown protocol {protocol!r}: no atomicstore driver and no fsspec filesystem "
-        f"serves it (known: {', '.join(sorted(set(_BUILTIN) | set(_REGISTERED)))})"
-    )
+    return GenericDriver
 
 
 def split_url(url_or_path: str | os.PathLike[str]) -> tuple[str, str]:

@@ -1,0 +1,31 @@
+"""Sessions: ``tests`` (the suite CI runs), ``lint`` (ruff + mypy), ``bench`` (benchmarks
+against the anchors, printed side by side)."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Install the package with its test extra and run the whole suite."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "-q", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (style, imports, bugs) and mypy (types) over the package."""
+    session.install("-e", ".[test]", "ruff>=0.5", "mypy>=1.10")
+    session.run("ruff", "check", "atomicstore", "tests", "benchmarks", "examples", "noxfile.py")
+    session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks against raw I/O and the anchor libraries; prints a table of ratios."""
+    session.install("-e", ".[test,bench]")
+    session.run("python", "benchmarks/run.py", *session.posargs)

@@ -1,0 +1,160 @@
+"""The driver layer: declared capabilities, strategy choice, registration, bad URLs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import fsspec
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+import atomicstore
+from atomicstore.drivers import driver_class, split_url
+
+
+def test_strategy_follows_declared_capabilities(backend):
+    store = backend.open()
+    caps = store.driver.capabilities
+    expected = {"local": "rename", "memory": "rename", "s3": "marker", "gcs": "marker"}[backend.kind]
+    assert store.strategy.kind == expected
+    assert caps.atomic_rename == (expected == "rename")
+    assert caps.atomic_create
+    assert caps.durable_fsync == (backend.kind == "local")
+    assert caps.multipart_uploads == (backend.kind == "s3")
+    assert caps.native_crc32c == (backend.kind == "gcs")
+
+
+def test_gcs_reports_native_crc32c(gcs_server):
+    store = atomicstore.open_store(gcs_server.url(gcs_server.new_bucket()), **gcs_server.storage_options())
+    with store.transaction("c") as txn:
+        txn.write_bytes("f", b"checksum me")
+    ckpt = store.open("c")
+    info = store.driver.info(ckpt.key("f"))
+    assert info.crc32c == ckpt.files["f"].crc32c == atomicstore.commit.crc32c(b"checksum me")
+
+
+@pytest.mark.parametrize(
+    "url", ["nosuchproto://bucket/x", "s3://", "", "   ", "memory://a::s3://b", "a\x00b"]
+)
+def test_bad_urls_are_rejected(url):
+    with pytest.raises(atomicstore.InvalidArgumentError):
+        atomicstore.open_store(url)
+
+
+def test_unknown_protocol_error_type():
+    with pytest.raises(atomicstore.UnknownProtocolError, match="nosuchproto"):
+        atomicstore.open_store("nosuchproto://x")
+
+
+def test_split_url():
+    assert split_url("/tmp/x") == ("file", "/tmp/x")
+    assert split_url("relative/dir") == ("file", "relative/dir")
+    assert split_url("S3://b/k") == ("s3", "b/k")
+    assert split_url("gs://b") == ("gs", "b")
+
+
+def test_local_takes_no_storage_options(tmp_path):
+    with pytest.raises(atomicstore.InvalidArgumentError, match="no storage options"):
+        atomicstore.open_store(tmp_path, anon=True)
+
+
+def test_bad_driver_options(tmp_path):
+    with pytest.raises(atomicstore.InvalidArgumentError):
+        atomicstore.open_store(tmp_path, operation_timeout=0)
+    with pytest.raises(atomicstore.InvalidArgumentError):
+        atomicstore.open_store(tmp_path, block_size=10)
+    with pytest.raises(ValueError):
+        atomicstore.RetryPolicy(attempts=0)
+
+
+class _UnknownToUs(MemoryFileSystem):
+    protocol = "notours"
+
+
+def test_other_fsspec_protocol_gets_conservative_driver_and_one_warning():
+    fsspec.register_implementation("notours", _UnknownToUs, clobber=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        store = atomicstore.open_store("notours://generic-a")
+        atomicstore.open_store("notours://generic-b")
+    msgs = [w for w in caught if issubclass(w.category, atomicstore.ExclusivityWarning)]
+    assert len(msgs) == 1 and "exclusivity is not guaranteed" in str(msgs[0].message)
+    caps = store.driver.capabilities
+    assert not caps.atomic_rename and not caps.atomic_create
+    assert store.strategy.kind == "marker"
+    with store.transaction("g") as txn:
+        txn.write_bytes("f", b"generic")
+    assert store.list() == ["g"]
+    assert store.read_bytes("g", "f") == b"generic"
+    store.verify("g")
+    with pytest.raises(atomicstore.CommitConflictError):
+        store.transaction("g")
+    store.delete("g")
+    assert store.list() == []
+
+
+def test_register_driver_at_runtime():
+    from atomicstore.drivers.memory import MemoryDriver
+
+    class Tagged(MemoryDriver):
+        protocols = ("tagged",)
+
+        @classmethod
+        def from_url(cls, protocol, path, storage_options, **kw):
+            return cls(MemoryFileSystem(), "/tagged/" + path, url=f"tagged://{path}", **kw)
+
+    atomicstore.register_driver(Tagged)
+    store = atomicstore.open_store("tagged://x")
+    assert isinstance(store.driver, Tagged)
+    with store.transaction("a") as txn:
+        txn.write_bytes("f", b"1")
+    assert store.list() == ["a"]
+    with pytest.raises(atomicstore.InvalidArgumentError):
+        atomicstore.register_driver(object)  # type: ignore[arg-type]
+
+
+def test_entry_point_registration(tmp_path):
+    """A third-party package registers a driver through the ``atomicstore.drivers`` group."""
+    (tmp_path / "fancy_driver.py").write_text(textwrap.dedent('''
+        from fsspec.implementations.memory import MemoryFileSystem
+        from atomicstore.drivers.memory import MemoryDriver
+
+        class FancyDriver(MemoryDriver):
+            protocols = ("fancy",)
+
+            @classmethod
+            def from_url(cls, protocol, path, storage_options, **kw):
+                return cls(MemoryFileSystem(), "/fancy/" + path, url="fancy://" + path, **kw)
+    '''))
+    dist = tmp_path / "fancy_driver-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fancy-driver\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[atomicstore.drivers]\nfancy = fancy_driver:FancyDriver\n")
+    code = textwrap.dedent('''
+        import atomicstore
+        s = atomicstore.open_store("fancy://here")
+        with s.transaction("x") as t:
+            t.write_bytes("f", b"ok")
+        print(type(s.driver).__name__, s.list(), s.read_bytes("x", "f"))
+    ''')
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "FancyDriver ['x'] b'ok'"
+
+
+def test_builtin_classes_resolve():
+    assert driver_class("file").__name__ == "LocalDriver"
+    assert driver_class("memory").__name__ == "MemoryDriver"
+    assert driver_class("s3").__name__ == "S3Driver"
+    assert driver_class("gs").__name__ == "GCSDriver"
+
+
+def test_commit_layer_never_imports_jax():
+    code = "import sys, atomicstore, atomicstore.commit, atomicstore.drivers.s3; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
