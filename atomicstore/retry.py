@@ -40,7 +40,7 @@ class RetryPolicy:
             raise ValueError("RetryPolicy.deadline must be > 0 or None")
 
     def _kwargs(self, is_transient: Callable[[BaseException], bool]) -> dict:
-        stop = tenacity.stop_after_attempt(self.attempts)
+        stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(self.attempts)
         if self.deadline is not None:
             stop = stop | tenacity.stop_after_delay(self.deadline)
         return {

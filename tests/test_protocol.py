@@ -314,3 +314,21 @@ def test_local_root_that_is_a_file_is_rejected(tmp_path):
     f.write_bytes(b"")
     with pytest.raises(InvalidArgumentError, match="not a directory"):
         atomicstore.open_store(f)
+
+
+def test_writes_take_arrays_and_refuse_non_contiguous(backend):
+    store = backend.open()
+    arr = np.arange(12, dtype=np.float64).reshape(3, 4)
+    txn = store.transaction("arr")
+    with txn.open("a.bin") as f:
+        assert f.write(arr) == arr.nbytes
+        with pytest.raises(InvalidArgumentError, match="C-contiguous"):
+            f.write(arr[:, ::2])
+        with pytest.raises(InvalidArgumentError):
+            f.write("text")  # type: ignore[arg-type]
+    txn.commit()
+    out = np.empty_like(arr)
+    store.open("arr").read_into("a.bin", out)
+    assert np.array_equal(out, arr)
+    with pytest.raises(InvalidArgumentError, match="writable buffer"):
+        store.open("arr").read_into("a.bin", np.empty(5))

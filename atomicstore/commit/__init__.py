@@ -2,7 +2,7 @@
 
 from .manifest import FileEntry, Manifest, Marker, crc32c
 from .names import natural_key, natural_sort, validate_name, validate_path
-from .store import Checkpoint, CheckedReader, Store, open_store
+from .store import CheckedReader, Checkpoint, Store, open_store
 from .strategies import CommitStrategy, MarkerStrategy, RenameStrategy, choose_strategy
 from .transaction import Transaction, TransactionFile
 

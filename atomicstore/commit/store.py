@@ -120,6 +120,20 @@ class Checkpoint:
         with self.open(path) as f:
             return f.readall()
 
+    def read_into(self, path: str, out: Any) -> Any:
+        """Read the whole of ``path`` into ``out`` (a writable buffer of exactly the file's
+        size, e.g. a preallocated numpy array) and verify its CRC32C. No extra copy."""
+        entry = self._entry(path)
+        mv = memoryview(out).cast("B")
+        if mv.readonly or mv.nbytes != entry.size:
+            raise InvalidArgumentError(
+                f"read_into {self.where(path)}: need a writable buffer of {entry.size} bytes, "
+                f"got {'read-only ' if mv.readonly else ''}{mv.nbytes}"
+            )
+        n = self.store.driver.read_into(self.key(path), 0, mv)
+        entry.check(path, n, crc32c(mv[:n]), where=self.where(path))
+        return out
+
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``path`` (not checksummed: a part of a file cannot be;
         the pytree layer checks each leaf's own CRC32C)."""

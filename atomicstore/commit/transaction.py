@@ -43,7 +43,12 @@ class TransactionFile:
     def write(self, data: bytes | bytearray | memoryview) -> int:
         if self.closed:
             raise TransactionError(f"write to closed file {self.path!r}")
-        mv = memoryview(data).cast("B")
+        try:
+            mv = memoryview(data).cast("B")
+        except TypeError as exc:  # not a buffer, or not C-contiguous
+            raise InvalidArgumentError(
+                f"write to {self.path!r}: need a C-contiguous bytes-like object ({exc})"
+            ) from None
         self._hash.update(mv)
         self._writer.write(mv)
         return mv.nbytes

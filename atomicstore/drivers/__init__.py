@@ -17,7 +17,15 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, UnknownProtocolError
 from ..retry import RetryPolicy
-from .base import DEFAULT_BLOCK_SIZE, DEFAULT_OPERATION_TIMEOUT, Capabilities, Driver, Entry, FileInfo, Writer
+from .base import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_OPERATION_TIMEOUT,
+    Capabilities,
+    Driver,
+    Entry,
+    FileInfo,
+    Writer,
+)
 
 ENTRY_POINT_GROUP = "atomicstore.drivers"
 

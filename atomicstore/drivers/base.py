@@ -199,6 +199,13 @@ class Driver(ABC):
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of ``key`` (the whole object by default)."""
 
+    def read_into(self, key: str, offset: int, out: memoryview) -> int:
+        """Fill ``out`` with bytes from ``offset`` of ``key``; return how many were read
+        (fewer only at the end of the object)."""
+        data = self.read(key, offset, offset + out.nbytes)
+        out[: len(data)] = data
+        return len(data)
+
     def iter_read(self, key: str, chunk_size: int | None = None) -> Iterator[bytes]:
         """Stream ``key`` in chunks (range reads by default)."""
         chunk = chunk_size or self.block_size

@@ -167,6 +167,19 @@ class LocalDriver(Driver):
 
         return self._os("read", key, _read)
 
+    def read_into(self, key: str, offset: int, out: memoryview) -> int:
+        fd = self._os("read", key, os.open, self.path(key), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            done = 0
+            while done < out.nbytes:
+                n = os.preadv(fd, [out[done:]], offset + done)
+                if n == 0:
+                    break
+                done += n
+            return done
+        finally:
+            os.close(fd)
+
     def iter_read(self, key: str, chunk_size: int | None = None) -> Iterator[bytes]:
         chunk = chunk_size or self.block_size
         f = self._os("read", key, open, self.path(key), "rb")

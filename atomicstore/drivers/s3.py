@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -149,7 +150,9 @@ class S3Driver(AsyncFsspecDriver):
         out: list[tuple[str, str, float]] = []
         kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": obj}
         while True:
-            page = self.call("list uploads", prefix, lambda kw=dict(kwargs): self.s3call("list_multipart_uploads", **kw))
+            page: dict[str, Any] = self.call(
+                "list uploads", prefix, partial(self.s3call, "list_multipart_uploads", **kwargs)
+            )
             for u in page.get("Uploads", []):
                 started = u.get("Initiated")
                 ts = started.timestamp() if isinstance(started, datetime) else 0.0

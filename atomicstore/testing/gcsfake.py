@@ -116,7 +116,7 @@ class GCSFake:
                 break
         else:
             if path.rstrip("/") == "/storage/v1/b" and m == "POST":
-                name = (req.get_json(silent=True) or {}).get("name") or q.get("name")
+                name = str((req.get_json(silent=True) or {}).get("name") or q.get("name") or "")
                 with self.lock:
                     self.buckets.setdefault(name, {})
                 return self._json({"kind": "storage#bucket", "name": name})
@@ -223,7 +223,7 @@ class GCSFake:
             return self._store(bucket, q["name"], req.get_data(), q.get("ifGenerationMatch"))
         if utype == "resumable":
             meta = req.get_json(silent=True) or {}
-            name = meta.get("name") or q.get("name")
+            name = str(meta.get("name") or q.get("name") or "")
             uid = secrets.token_hex(12)
             with self.lock:
                 if bucket not in self.buckets:

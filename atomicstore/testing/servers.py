@@ -30,6 +30,7 @@ class _FakeServer:
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
         self._server = WSGIServer(host="127.0.0.1", port=0, application=app, threaded=True, **kwargs)
+        self._server.daemon = True  # never keeps the process alive
         self._server.start()
 
     @property
