@@ -41,6 +41,11 @@ class CommitConflictError(AlreadyExistsError):
         self.winner = winner
 
 
+class LeaseLostError(CommitConflictError):
+    """This writer's lease expired or was removed by recovery (it was declared dead), so
+    it must not commit: another run may have replaced it."""
+
+
 class TransactionError(AtomicStoreError, RuntimeError):
     """A transaction was used in a way its state does not allow (e.g. write after commit)."""
 
@@ -77,6 +82,7 @@ __all__ = [
     "CommitConflictError",
     "CorruptionError",
     "InvalidArgumentError",
+    "LeaseLostError",
     "NotFoundError",
     "StorageError",
     "StorageTimeoutError",

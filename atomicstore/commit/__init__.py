@@ -1,6 +1,7 @@
 """Commit layer: transactions, manifests, commit strategies, recovery. Never imports jax."""
 
 from .manifest import FileEntry, Manifest, Marker, crc32c
+from .recovery import RecoveryAction, RecoveryReport
 from .names import natural_key, natural_sort, validate_name, validate_path
 from .store import CheckedReader, Checkpoint, Store, open_store
 from .strategies import CommitStrategy, MarkerStrategy, RenameStrategy, choose_strategy
@@ -14,6 +15,8 @@ __all__ = [
     "Manifest",
     "MarkerStrategy",
     "Marker",
+    "RecoveryAction",
+    "RecoveryReport",
     "RenameStrategy",
     "Store",
     "Transaction",

@@ -17,6 +17,8 @@ from ..retry import RetryPolicy
 from .manifest import Crc32cHasher, FileEntry, Manifest, crc32c
 from .names import natural_sort, validate_name, validate_path
 from .strategies import CommitStrategy, choose_strategy, new_attempt_id
+from .lease import DEFAULT_LEASE_TTL
+from .recovery import DEFAULT_GRACE, RecoveryReport, recover
 from .transaction import Transaction
 
 log = logging.getLogger("atomicstore")
@@ -174,23 +176,44 @@ class Store:
     declared capabilities: ``rename`` on POSIX and memory, ``marker`` on object stores.
     """
 
-    def __init__(self, driver: Driver, *, writer_id: str | None = None) -> None:
+    def __init__(
+        self,
+        driver: Driver,
+        *,
+        writer_id: str | None = None,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
+        grace: float = DEFAULT_GRACE,
+    ) -> None:
+        if not (isinstance(lease_ttl, int | float) and lease_ttl > 0):
+            raise InvalidArgumentError("lease_ttl must be a positive number of seconds")
+        if not (isinstance(grace, int | float) and grace >= 0):
+            raise InvalidArgumentError("grace must be a non-negative number of seconds")
+        if writer_id is not None and (not isinstance(writer_id, str) or not writer_id or len(writer_id) > 200):
+            raise InvalidArgumentError("writer_id must be a non-empty string of at most 200 characters")
         self.driver = driver
         self.strategy: CommitStrategy = choose_strategy(driver)
         self.writer_id = writer_id or default_writer_id()
+        self.lease_ttl = float(lease_ttl)
+        self.grace = float(grace)
 
     @property
     def url(self) -> str:
         return self.driver.url
 
     # -- writing ------------------------------------------------------------------------
-    def transaction(self, name: str, *, metadata: dict[str, Any] | None = None) -> Transaction:
+    def transaction(
+        self, name: str, *, metadata: dict[str, Any] | None = None, overwrite: bool = False
+    ) -> Transaction:
         """Begin writing checkpoint ``name``. See :class:`Transaction`.
 
         Raises :class:`~atomicstore.CommitConflictError` at once if ``name`` is already
-        committed, and :class:`~atomicstore.InvalidArgumentError` for a bad name or
-        metadata that is not a JSON object.
+        committed (unless ``overwrite``: then the commit replaces it in one atomic step:
+        readers see the old checkpoint or the new one, never neither), and
+        :class:`~atomicstore.InvalidArgumentError` for a bad name or metadata that is not
+        a JSON object.
         """
+        if not isinstance(overwrite, bool):
+            raise InvalidArgumentError("overwrite must be a bool")
         validate_name(name)
         if metadata is not None and not isinstance(metadata, dict):
             raise InvalidArgumentError("metadata must be a dict of JSON values")
@@ -201,7 +224,7 @@ class Store:
                 json.dumps(metadata, allow_nan=False)
             except (TypeError, ValueError) as exc:
                 raise InvalidArgumentError(f"metadata is not JSON-serialisable: {exc}") from None
-        return Transaction(self, name, metadata=metadata, attempt=new_attempt_id())
+        return Transaction(self, name, metadata=metadata, attempt=new_attempt_id(), overwrite=overwrite)
 
     def write_file(self, path: str, data: bytes, *, overwrite: bool = True) -> None:
         """Write one small file at the store root atomically: readers see the old content
@@ -257,6 +280,23 @@ class Store:
         validate_name(name)
         self.strategy.unpublish(name)
 
+    # -- recovery -----------------------------------------------------------------------
+    def recover(
+        self, *, dry_run: bool = False, grace: float | None = None, now: float | None = None
+    ) -> RecoveryReport:
+        """Remove what crashed saves and interrupted deletes left behind.
+
+        Never touches a committed checkpoint or a save in flight (an attempt whose lease
+        was renewed within ``lease ttl + grace`` seconds, or that has no lease and was
+        written to within ``grace`` seconds). One listing decides; committed data is not
+        read. Safe to run from several processes at once. With ``dry_run`` nothing is
+        changed and the report says what would be removed. ``now`` (Unix seconds)
+        overrides the clock, e.g. to treat everything in flight as dead.
+        """
+        if grace is not None and not (isinstance(grace, int | float) and grace >= 0):
+            raise InvalidArgumentError("grace must be a non-negative number of seconds")
+        return recover(self, dry_run=dry_run, grace=self.grace if grace is None else grace, now=now)
+
     def close(self) -> None:
         self.driver.close()
 
@@ -277,6 +317,8 @@ def open_store(
     retry: RetryPolicy | None = None,
     operation_timeout: float | None = None,
     block_size: int | None = None,
+    lease_ttl: float = DEFAULT_LEASE_TTL,
+    grace: float = DEFAULT_GRACE,
     **storage_options: Any,
 ) -> Store:
     """Open the store at a local path or URL (``s3://bucket/prefix``, ``gs://…``,
@@ -289,6 +331,8 @@ def open_store(
         retry: retry policy for transient errors (default :class:`RetryPolicy()`).
         operation_timeout: seconds one storage request may take (object stores).
         block_size: streaming chunk / multipart part size in bytes.
+        lease_ttl: seconds a save's lease lives without renewal (renewed every third).
+        grace: extra seconds recovery waits before it treats unleased data as stale.
         **storage_options: passed to the fsspec filesystem unchanged (endpoint,
             credentials, anon...). Credentials never appear in logs or errors.
     """
@@ -299,4 +343,4 @@ def open_store(
         operation_timeout=operation_timeout,
         block_size=block_size,
     )
-    return Store(driver, writer_id=writer_id)
+    return Store(driver, writer_id=writer_id, lease_ttl=lease_ttl, grace=grace)

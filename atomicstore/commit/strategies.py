@@ -48,14 +48,23 @@ class CommitStrategy(ABC):
         self.driver = driver
 
     @abstractmethod
-    def begin(self, name: str, attempt: str) -> str:
+    def begin(self, name: str, attempt: str, *, overwrite: bool = False) -> str:
         """Prepare an attempt; return the key prefix its files are written under.
-        Raises :class:`CommitConflictError` early if ``name`` is already committed."""
+        Raises :class:`CommitConflictError` early if ``name`` is already committed (unless
+        ``overwrite``)."""
 
     @abstractmethod
-    def publish(self, name: str, attempt: str, writer: str, manifest: bytes) -> None:
+    def publish(
+        self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False
+    ) -> None:
         """Write the manifest and make the attempt the committed ``name`` (the commit
-        point). Raises :class:`CommitConflictError` if another attempt won."""
+        point). Raises :class:`CommitConflictError` if another attempt won. With
+        ``overwrite``, an existing checkpoint is replaced in the same atomic step and its
+        data removed afterwards."""
+
+    @abstractmethod
+    def attempt_prefix(self, name: str, attempt: str) -> str:
+        """Where the files of an attempt are staged."""
 
     @abstractmethod
     def discard(self, name: str, attempt: str) -> None:
@@ -99,17 +108,19 @@ class RenameStrategy(CommitStrategy):
 
     kind = "rename"
 
-    def _staging(self, name: str, attempt: str) -> str:
+    def attempt_prefix(self, name: str, attempt: str) -> str:
         return f"{STAGING}/{name}.{attempt}"
 
-    def begin(self, name: str, attempt: str) -> str:
-        if self.driver.exists(name):
-            raise self._conflict(name)
-        staging = self._staging(name, attempt)
-        self.driver.makedirs(staging)
-        return staging
+    _staging = attempt_prefix
 
-    def publish(self, name: str, attempt: str, writer: str, manifest: bytes) -> None:
+    def begin(self, name: str, attempt: str, *, overwrite: bool = False) -> str:
+        if not overwrite and self.driver.exists(name):
+            raise self._conflict(name)
+        return self._staging(name, attempt)  # created by the first file written into it
+
+    def publish(
+        self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False
+    ) -> None:
         d = self.driver
         staging = self._staging(name, attempt)
         try:
@@ -125,7 +136,14 @@ class RenameStrategy(CommitStrategy):
                 for sub in _parent_dirs(files):
                     d.fsync_dir(f"{staging}/{sub}")
                 d.fsync_dir(staging)
-            d.rename(staging, name)  # the commit point
+            replaced = False
+            try:
+                d.rename(staging, name)  # the commit point
+            except AlreadyExistsError:
+                if not overwrite:
+                    raise
+                d.exchange(staging, name)  # the commit point of an overwrite
+                replaced = True
         except AlreadyExistsError:
             self.discard(name, attempt)
             raise self._conflict(name) from None
@@ -136,6 +154,8 @@ class RenameStrategy(CommitStrategy):
         if d.capabilities.durable_fsync:
             d.fsync_dir("")  # make the new entry durable
             d.fsync_dir(STAGING)  # and the staging entry's removal
+        if replaced:
+            d.delete_tree(staging)  # the replaced checkpoint now sits at the staging name
 
     def discard(self, name: str, attempt: str) -> None:
         try:
@@ -180,15 +200,21 @@ class MarkerStrategy(CommitStrategy):
 
     kind = "marker"
 
-    def _prefix(self, name: str, attempt: str) -> str:
+    def attempt_prefix(self, name: str, attempt: str) -> str:
         return f"{name}/{ATTEMPT_PREFIX}{attempt}"
 
-    def begin(self, name: str, attempt: str) -> str:
-        if self.driver.exists(f"{name}/{MARKER_FILE}"):
+    _prefix = attempt_prefix
+
+    def begin(self, name: str, attempt: str, *, overwrite: bool = False) -> str:
+        if not overwrite and self.driver.exists(f"{name}/{MARKER_FILE}"):
             raise self._conflict(name)
         return self._prefix(name, attempt)
 
-    def publish(self, name: str, attempt: str, writer: str, manifest: bytes) -> None:
+    def publish(
+        self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False
+    ) -> None:
+        if overwrite:
+            return self._replace(name, attempt, writer, manifest)
         d = self.driver
         try:
             d.put(f"{self._prefix(name, attempt)}/{MANIFEST_FILE}", manifest)
@@ -221,6 +247,23 @@ class MarkerStrategy(CommitStrategy):
             except Exception:  # noqa: BLE001 - the original error is the one to report
                 pass
             raise
+
+    def _replace(self, name: str, attempt: str, writer: str, manifest: bytes) -> None:
+        """Overwrite: one unconditional PUT of the marker swaps the committed attempt."""
+        d = self.driver
+        try:
+            old: Marker | None = self.read_marker(name)
+        except (NotFoundError, CorruptionError):
+            old = None
+        try:
+            d.put(f"{self._prefix(name, attempt)}/{MANIFEST_FILE}", manifest)
+        except BaseException:
+            self.discard(name, attempt)
+            raise
+        marker = Marker.new(name, attempt, writer, manifest)
+        d.put(f"{name}/{MARKER_FILE}", marker.to_bytes())  # the commit point
+        if old is not None and old.attempt != attempt:
+            d.delete_tree(self._prefix(name, old.attempt))
 
     def discard(self, name: str, attempt: str) -> None:
         try:

@@ -10,7 +10,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ..drivers.base import Writer
-from ..errors import InvalidArgumentError, TransactionError
+from ..errors import CommitConflictError, InvalidArgumentError, TransactionError
+from .lease import Lease
 from .manifest import Crc32cHasher, FileEntry, Manifest
 from .names import validate_path
 
@@ -94,17 +95,30 @@ class Transaction:
     :class:`~atomicstore.CommitConflictError` if another writer committed the name first.
     """
 
-    def __init__(self, store: Store, name: str, *, metadata: dict[str, Any] | None, attempt: str) -> None:
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        *,
+        metadata: dict[str, Any] | None,
+        attempt: str,
+        overwrite: bool = False,
+    ) -> None:
         self.store = store
         self.name = name
         self.attempt = attempt
+        self.overwrite = overwrite
         self.metadata = dict(metadata or {})
         self._files: dict[str, FileEntry] = {}
         self._open: dict[str, TransactionFile] = {}
         self._lock = threading.Lock()
         self._state = _State.OPEN
-        self._prefix = store.strategy.begin(name, attempt)
         self.started = time.time()
+        self._lease = Lease(store.driver, name, attempt, store.writer_id, store.lease_ttl)
+        # the conflict check comes first (cheap), then the lease, then any data
+        store.strategy.begin(name, attempt, overwrite=overwrite)
+        self._lease.acquire()
+        self._prefix = store.strategy.attempt_prefix(name, attempt)
 
     # -- writing ------------------------------------------------------------------------
     def open(self, path: str) -> TransactionFile:
@@ -157,12 +171,24 @@ class Transaction:
             )
             data = manifest.to_bytes()
             try:
+                self._lease.check()  # a writer declared dead must not commit
                 # publish cleans up after itself where that is provably safe
-                self.store.strategy.publish(self.name, self.attempt, self.store.writer_id, data)
-            except BaseException:
+                self.store.strategy.publish(
+                    self.name, self.attempt, self.store.writer_id, data, overwrite=self.overwrite
+                )
+            except CommitConflictError:
                 self._state = _State.ABORTED
+                self.store.strategy.discard(self.name, self.attempt)
+                self._lease.release()
+                raise
+            except BaseException:
+                # Maybe ambiguous (the commit point may still land): keep the lease object
+                # so recovery waits ttl + grace before it removes this attempt's data.
+                self._state = _State.ABORTED
+                self._lease.stop()
                 raise
             self._state = _State.COMMITTED
+            self._lease.release()
         log.info("committed %s (%d files, %d bytes)", self.store.driver.describe(self.name),
                  len(manifest.files), manifest.total_bytes)
         return manifest
@@ -178,6 +204,7 @@ class Transaction:
         for f in pending:
             f.abort()
         self.store.strategy.discard(self.name, self.attempt)
+        self._lease.release()
 
     @property
     def committed(self) -> bool:

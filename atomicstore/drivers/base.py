@@ -17,6 +17,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, ClassVar, TypeVar
 
 from ..errors import (
@@ -251,6 +252,11 @@ class Driver(ABC):
         (:class:`AlreadyExistsError`). Only drivers with ``atomic_rename`` implement it."""
         raise NotImplementedError(f"{type(self).__name__} has no atomic rename")
 
+    def exchange(self, a: str, b: str) -> None:
+        """Atomically swap the trees ``a`` and ``b`` (both must exist). Only drivers with
+        ``atomic_rename`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no atomic exchange")
+
     def fsync_dir(self, key: str) -> None:
         """Make the entries of directory ``key`` durable (no-op without directories)."""
 
@@ -270,6 +276,22 @@ class Driver(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
+
+
+def _mtime(raw: Mapping[str, Any]) -> float | None:
+    """Modification time (Unix seconds) from an fsspec info dict, if it has one."""
+    for k in ("LastModified", "mtime", "updated", "last_modified"):
+        v = raw.get(k)
+        if isinstance(v, datetime):
+            return v.timestamp()
+        if isinstance(v, int | float):
+            return float(v)
+        if isinstance(v, str):
+            try:
+                return datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
 
 
 def _walk_chain(exc: BaseException) -> Iterator[BaseException]:
@@ -361,7 +383,7 @@ class AsyncFsspecDriver(Driver):
         raw = self.call("info", key, lambda: self.fs._info(self.path(key)))
         if raw.get("type") == "directory":
             raise NotFoundError(f"info: not a file: {self.describe(key)}")
-        return FileInfo(key, int(raw.get("size") or 0), self._native_crc32c(raw), None)
+        return FileInfo(key, int(raw.get("size") or 0), self._native_crc32c(raw), _mtime(raw))
 
     def _native_crc32c(self, raw: Mapping[str, Any]) -> int | None:
         return None
@@ -398,7 +420,9 @@ class AsyncFsspecDriver(Driver):
 
         out = self.call("find", prefix, find)
         return {
-            self._rel(name): FileInfo(self._rel(name), int(v.get("size") or 0), self._native_crc32c(v))
+            self._rel(name): FileInfo(
+                self._rel(name), int(v.get("size") or 0), self._native_crc32c(v), _mtime(v)
+            )
             for name, v in out.items()
             if v.get("type") != "directory"
         }

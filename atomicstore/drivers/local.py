@@ -36,6 +36,28 @@ def _load_renameat2() -> Any:
 _renameat2 = _load_renameat2()
 
 
+_RENAME_EXCHANGE = 2
+
+
+def rename_exchange(a: str, b: str) -> None:
+    """Swap ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``).
+
+    Where the kernel or filesystem lacks it, falls back to three renames through a
+    temporary name, which is not atomic (a crash in between leaves ``b`` missing and
+    its old content under ``<a>.xchg``; recovery treats both as uncommitted).
+    """
+    if _renameat2 is not None:
+        if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err), a, b)
+    tmp = a + ".xchg"
+    os.rename(b, tmp)
+    os.rename(a, b)
+    os.rename(tmp, a)
+
+
 def rename_noreplace(src: str, dst: str) -> None:
     """``rename(src, dst)`` that fails with ``FileExistsError`` if ``dst`` exists."""
     if _renameat2 is not None:
@@ -240,6 +262,9 @@ class LocalDriver(Driver):
 
     def rename(self, src: str, dst: str) -> None:
         self._os("rename", dst, rename_noreplace, self.path(src), self.path(dst))
+
+    def exchange(self, a: str, b: str) -> None:
+        self._os("exchange", b, rename_exchange, self.path(a), self.path(b))
 
     def makedirs(self, key: str) -> None:
         self._os("mkdir", key, os.makedirs, self.path(key), 0o755, True)

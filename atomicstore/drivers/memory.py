@@ -98,7 +98,8 @@ class MemoryDriver(Driver):
             root = self.root + "/"
             for k in self._children(prefix):
                 rel = k[len(root):]
-                out[rel] = FileInfo(rel, self._store()[k].getbuffer().nbytes)
+                f = self._store()[k]
+                out[rel] = FileInfo(rel, f.getbuffer().nbytes, None, f.modified.timestamp())
             return out
 
     def delete(self, key: str) -> None:
@@ -123,3 +124,18 @@ class MemoryDriver(Driver):
                 raise NotFoundError(f"rename: not found: {self.describe(src)}")
             for k in moving:
                 store[new + k[len(old):]] = store.pop(k)
+
+    def exchange(self, a: str, b: str) -> None:
+        with _LOCK:
+            store = self._store()
+            pa = self.path(a).rstrip("/") + "/"
+            pb = self.path(b).rstrip("/") + "/"
+            ka, kb = self._children(a), self._children(b)
+            if not ka or not kb:
+                raise NotFoundError(f"exchange: not found: {self.describe(a if not ka else b)}")
+            va = {k[len(pa):]: store.pop(k) for k in ka}
+            vb = {k[len(pb):]: store.pop(k) for k in kb}
+            for rel, f in va.items():
+                store[pb + rel] = f
+            for rel, f in vb.items():
+                store[pa + rel] = f

@@ -47,6 +47,7 @@ class GCSFake:
     def __init__(self) -> None:
         self.buckets: dict[str, dict[str, _Object]] = {}
         self.uploads: dict[str, _Upload] = {}
+        self.finished: dict[str, bytes] = {}
         self.lock = threading.Lock()
         self._gen = itertools.count(int(time.time() * 1e6))
 
@@ -236,6 +237,9 @@ class GCSFake:
     def _resumable_chunk(self, req: Request, uid: str) -> Response:
         with self.lock:
             up = self.uploads.get(uid)
+            done = self.finished.get(uid)
+        if up is None and done is not None and req.method != "DELETE":
+            return Response(done, status=200, content_type="application/json")
         if up is None:
             return self._error(404, "upload session not found")
         if req.method == "DELETE":
@@ -258,6 +262,8 @@ class GCSFake:
             resp = self._store(up.bucket, up.name, bytes(up.data), up.if_generation_match)
             with self.lock:
                 self.uploads.pop(uid, None)
+                if resp.status_code == 200:  # GCS answers a finished session with its object
+                    self.finished[uid] = resp.get_data()
             return resp
         headers = {"Range": f"bytes=0-{len(up.data) - 1}"} if up.data else {}
         return Response(b"", status=308, headers=headers)
