@@ -1,8 +1,8 @@
 """Commit layer: transactions, manifests, commit strategies, recovery. Never imports jax."""
 
 from .manifest import FileEntry, Manifest, Marker, crc32c
-from .recovery import RecoveryAction, RecoveryReport
 from .names import natural_key, natural_sort, validate_name, validate_path
+from .recovery import RecoveryAction, RecoveryReport
 from .store import CheckedReader, Checkpoint, Store, open_store
 from .strategies import CommitStrategy, MarkerStrategy, RenameStrategy, choose_strategy
 from .transaction import Transaction, TransactionFile

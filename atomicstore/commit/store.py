@@ -14,11 +14,11 @@ from ..drivers import get_driver
 from ..drivers.base import Driver
 from ..errors import ChecksumMismatchError, InvalidArgumentError, NotFoundError
 from ..retry import RetryPolicy
+from .lease import DEFAULT_LEASE_TTL
 from .manifest import Crc32cHasher, FileEntry, Manifest, crc32c
 from .names import natural_sort, validate_name, validate_path
-from .strategies import CommitStrategy, choose_strategy, new_attempt_id
-from .lease import DEFAULT_LEASE_TTL
 from .recovery import DEFAULT_GRACE, RecoveryReport, recover
+from .strategies import CommitStrategy, choose_strategy, new_attempt_id
 from .transaction import Transaction
 
 log = logging.getLogger("atomicstore")
