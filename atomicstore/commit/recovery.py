@@ -183,7 +183,10 @@ def recover(store: Store, *, dry_run: bool = False, grace: float | None = None,
         if marker_mode and name in markers:
             won = committed_attempt.get(name)
             if won is None or won == attempt:
-                continue  # committed (or unreadable marker: be conservative)
+                # committed (or an unreadable marker: be conservative); only a dead lease goes
+                if won == attempt and key in leases and lease_alive(key) is False:
+                    act("lease", leases[key][0], "expired lease of a committed attempt")
+                continue
         alive = lease_alive(key)
         if alive or (alive is None and a.newest + grace > now):
             report.in_flight.append(a.prefix)
