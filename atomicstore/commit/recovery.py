@@ -132,9 +132,9 @@ def recover(store: Store, *, dry_run: bool = False, grace: float | None = None,
     if d.capabilities.directories:  # empty directories do not show up in a listing of files
         for e in d.listdir(STAGING):
             name, dot, attempt = e.name.rpartition(".")
-            key = (name if dot else e.name, attempt)
-            if key not in attempts:
-                attempts[key] = _Attempt(key[0], attempt, f"{STAGING}/{e.name}")
+            ident = (name if dot else e.name, attempt)
+            if ident not in attempts:
+                attempts[ident] = _Attempt(ident[0], attempt, f"{STAGING}/{e.name}")
         for e in d.listdir(TRASH):
             trash.setdefault(f"{TRASH}/{e.name}", [])
 
@@ -178,28 +178,28 @@ def recover(store: Store, *, dry_run: bool = False, grace: float | None = None,
         else:
             d.delete(target)
 
-    for key, a in sorted(attempts.items()):
-        name, attempt = key
+    for ident, a in sorted(attempts.items()):
+        name, attempt = ident
         if marker_mode and name in markers:
             won = committed_attempt.get(name)
             if won is None or won == attempt:
                 # committed (or an unreadable marker: be conservative); only a dead lease goes
-                if won == attempt and key in leases and lease_alive(key) is False:
-                    act("lease", leases[key][0], "expired lease of a committed attempt")
+                if won == attempt and ident in leases and lease_alive(ident) is False:
+                    act("lease", leases[ident][0], "expired lease of a committed attempt")
                 continue
-        alive = lease_alive(key)
+        alive = lease_alive(ident)
         if alive or (alive is None and a.newest + grace > now):
             report.in_flight.append(a.prefix)
             continue
         why = "lease expired" if alive is False else f"no lease, untouched for more than {grace:.0f}s"
         act("attempt", a.prefix, f"uncommitted attempt of {name!r}: {why}", a.keys, prefix=True)
-        if key in leases:
-            act("lease", leases[key][0], "lease of a removed attempt")
+        if ident in leases:
+            act("lease", leases[ident][0], "lease of a removed attempt")
 
-    for key, (lkey, _mtime) in sorted(leases.items()):
-        if key in attempts:
+    for ident, (lkey, _mtime) in sorted(leases.items()):
+        if ident in attempts:
             continue
-        alive = lease_alive(key)
+        alive = lease_alive(ident)
         if alive is False:
             act("lease", lkey, "expired lease with no data")
 

@@ -73,6 +73,12 @@ def rename_noreplace(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
+def _ignore_vanished(func: Any, path: str, exc_info: Any) -> None:
+    """rmtree error handler: an entry removed meanwhile (by a concurrent recovery) is fine."""
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
+
+
 class _LocalWriter(Writer):
     def __init__(self, path: str) -> None:
         self.path = path
@@ -256,7 +262,7 @@ class LocalDriver(Driver):
     def delete_tree(self, prefix: str) -> None:
         path = self.path(prefix)
         if os.path.isdir(path) and not os.path.islink(path):
-            self._os("delete", prefix, shutil.rmtree, path)
+            self._os("delete", prefix, shutil.rmtree, path, False, _ignore_vanished)
         else:
             self.delete(prefix)
 
