@@ -45,7 +45,7 @@ _PUT_TMP = re.compile(r"(^|/)\.[^/]+\.put-\d+-[0-9a-f]+$")
 class RecoveryAction:
     """One thing recovery removed (or, in a dry run, would remove)."""
 
-    kind: str  # "attempt", "trash", "lease", "temp", "upload"
+    kind: str  # "attempt", "trash", "lease", "temp", "upload", "flax"
     target: str  # key prefix, key, or "key (upload id)"
     reason: str
     keys: int = 0
@@ -81,8 +81,31 @@ class _Attempt:
     newest: float = 0.0
 
 
+def _flax_leftovers(listing: dict, tops: set[str], prefix: str) -> dict[str, float]:
+    """Top-level entries of flax's legacy layout that are provably uncommitted, with the
+    newest modification time of their contents: ``<prefix>tmp`` and ``<prefix>tmp_gda``
+    (staging of flax's two-rename commit), and ``<prefix><step>_gda`` whose
+    ``<prefix><step>`` does not exist (a crash between the two renames, or between the
+    two deletes)."""
+    newest: dict[str, float] = defaultdict(float)
+    for key, info in listing.items():
+        top = key.split("/", 1)[0]
+        newest[top] = max(newest[top], info.mtime or 0.0)
+    out: dict[str, float] = {}
+    for top in tops:
+        if not top.startswith(prefix):
+            continue
+        rest = top[len(prefix):]
+        if rest in ("tmp", "tmp_gda") or (
+            rest.endswith("_gda") and rest[:-4] and not rest.startswith("tmp")
+            and f"{prefix}{rest[:-4]}" not in tops
+        ):
+            out[top] = newest.get(top, 0.0)
+    return out
+
+
 def recover(store: Store, *, dry_run: bool = False, grace: float | None = None,
-            now: float | None = None) -> RecoveryReport:
+            now: float | None = None, flax_prefix: str | None = None) -> RecoveryReport:
     """See :meth:`atomicstore.Store.recover`."""
     d = store.driver
     grace = DEFAULT_GRACE if grace is None else grace
@@ -205,6 +228,17 @@ def recover(store: Store, *, dry_run: bool = False, grace: float | None = None,
 
     for prefix, keys in sorted(trash.items()):
         act("trash", prefix, "interrupted delete", keys, prefix=True)
+
+    if flax_prefix is not None:
+        tops = {k.split("/", 1)[0] for k in listing}
+        if d.capabilities.directories:
+            tops |= {e.name for e in d.listdir("")}
+        for top, newest in sorted(_flax_leftovers(listing, tops, flax_prefix).items()):
+            if newest + grace > now:
+                report.in_flight.append(top)
+                continue
+            what = "orphaned _gda directory" if not top[len(flax_prefix):].startswith("tmp") else "flax staging"
+            act("flax", top, f"{what} (uncommitted)", [top], prefix=True)
 
     for key in temps:
         act("temp", key, f"temporary file older than {grace:.0f}s")

@@ -282,7 +282,12 @@ class Store:
 
     # -- recovery -----------------------------------------------------------------------
     def recover(
-        self, *, dry_run: bool = False, grace: float | None = None, now: float | None = None
+        self,
+        *,
+        dry_run: bool = False,
+        grace: float | None = None,
+        now: float | None = None,
+        flax_prefix: str | None = None,
     ) -> RecoveryReport:
         """Remove what crashed saves and interrupted deletes left behind.
 
@@ -292,10 +297,18 @@ class Store:
         read. Safe to run from several processes at once. With ``dry_run`` nothing is
         changed and the report says what would be removed. ``now`` (Unix seconds)
         overrides the clock, e.g. to treat everything in flight as dead.
+
+        With ``flax_prefix`` (e.g. ``"checkpoint_"``) it also removes what
+        ``flax.training.checkpoints`` leaves after a crash in that layout: ``<prefix>tmp``
+        and ``<prefix>tmp_gda`` staging, and ``<prefix><step>_gda`` directories whose
+        ``<prefix><step>`` does not exist (older than ``grace``).
         """
         if grace is not None and not (isinstance(grace, int | float) and grace >= 0):
             raise InvalidArgumentError("grace must be a non-negative number of seconds")
-        return recover(self, dry_run=dry_run, grace=self.grace if grace is None else grace, now=now)
+        if flax_prefix is not None and (not isinstance(flax_prefix, str) or "/" in flax_prefix):
+            raise InvalidArgumentError("flax_prefix must be a string without '/'")
+        return recover(self, dry_run=dry_run, grace=self.grace if grace is None else grace,
+                       now=now, flax_prefix=flax_prefix)
 
     def close(self) -> None:
         self.driver.close()
