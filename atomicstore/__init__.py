@@ -38,6 +38,7 @@ from .errors import (
     TransactionError,
     UnknownProtocolError,
 )
+from .pytree import restore, save
 from .retry import RetryPolicy
 
 __version__ = "0.1.0"
@@ -74,4 +75,6 @@ __all__ = [
     "natural_sort",
     "open_store",
     "register_driver",
+    "restore",
+    "save",
 ]

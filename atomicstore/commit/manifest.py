@@ -66,6 +66,51 @@ def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     return google_crc32c.extend(value, mv.tobytes())
 
 
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+def _zero_operators() -> list[list[int]]:
+    """``ops[k]`` appends 2**k zero bytes to a CRC32C state (zlib's crc32_combine)."""
+    odd = [0x82F63B78] + [1 << n for n in range(31)]  # one zero bit
+    op = odd
+    for _ in range(3):  # 2, 4, 8 zero bits = one zero byte
+        op = _gf2_square(op)
+    ops = [op]
+    for _ in range(63):
+        ops.append(_gf2_square(ops[-1]))
+    return ops
+
+
+_ZERO_OPS: list[list[int]] = []
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``A + B`` from CRC32C(A), CRC32C(B) and len(B), without the bytes."""
+    if len2 <= 0:
+        return crc1
+    if not _ZERO_OPS:
+        _ZERO_OPS.extend(_zero_operators())
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(_ZERO_OPS[k], crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
 class Crc32cHasher:
     """Incremental CRC32C plus byte count."""
 
@@ -78,6 +123,11 @@ class Crc32cHasher:
     def update(self, data: bytes | bytearray | memoryview) -> None:
         self.value = crc32c(data, self.value)
         self.size += memoryview(data).nbytes
+
+    def combine(self, crc: int, size: int) -> None:
+        """Account for ``size`` bytes whose CRC32C (``crc``) is already known."""
+        self.value = crc32c_combine(self.value, crc, size)
+        self.size += size
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,23 @@ class Checkpoint:
         entry.check(path, n, crc32c(mv[:n]), where=self.where(path))
         return out
 
+    def read_range_into(self, path: str, start: int, out: Any) -> None:
+        """Fill the writable buffer ``out`` with bytes ``[start, start + len(out))`` of
+        ``path`` (not checksummed: the caller checks its own CRC32C)."""
+        entry = self._entry(path)
+        mv = memoryview(out).cast("B")
+        if not (0 <= start and start + mv.nbytes <= entry.size):
+            raise InvalidArgumentError(
+                f"range [{start}, {start + mv.nbytes}) outside {self.where(path)} of {entry.size} bytes"
+            )
+        if mv.nbytes == 0:
+            return
+        n = self.store.driver.read_into(self.key(path), start, mv)
+        if n != mv.nbytes:
+            raise ChecksumMismatchError(
+                f"{self.where(path)}: short read ({n} of {mv.nbytes} bytes at {start})", path=path
+            )
+
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``path`` (not checksummed: a part of a file cannot be;
         the pytree layer checks each leaf's own CRC32C)."""

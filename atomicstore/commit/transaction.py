@@ -41,7 +41,8 @@ class TransactionFile:
         self._hash = Crc32cHasher()
         self.closed = False
 
-    def write(self, data: bytes | bytearray | memoryview) -> int:
+    def write(self, data: bytes | bytearray | memoryview, *, crc32c: int | None = None) -> int:
+        """Append ``data``. Pass its ``crc32c`` if already known (saves a pass over it)."""
         if self.closed:
             raise TransactionError(f"write to closed file {self.path!r}")
         try:
@@ -50,7 +51,10 @@ class TransactionFile:
             raise InvalidArgumentError(
                 f"write to {self.path!r}: need a C-contiguous bytes-like object ({exc})"
             ) from None
-        self._hash.update(mv)
+        if crc32c is None:
+            self._hash.update(mv)
+        else:
+            self._hash.combine(crc32c, mv.nbytes)
         self._writer.write(mv)
         return mv.nbytes
 

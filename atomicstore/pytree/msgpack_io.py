@@ -1,0 +1,219 @@
+"""Streaming msgpack: emit headers around leaf payloads, and scan a file's structure.
+
+The writer produces exactly the bytes ``msgpack.packb`` would (smallest headers), so a
+state written here is byte-identical to ``flax.serialization.msgpack_serialize`` of the
+same state dict, without ever holding the whole encoding in memory.
+
+The scanner walks the structure of a msgpack file (hostile input) through ranged reads,
+checking every declared length against the file size before anything is allocated, with
+bounded depth and counts, and records where each leaf's bytes are.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from ..errors import CorruptionError
+
+# -- headers -----------------------------------------------------------------------------
+
+
+def map_header(n: int) -> bytes:
+    if n < 16:
+        return bytes([0x80 | n])
+    if n < 2**16:
+        return b"\xde" + struct.pack(">H", n)
+    return b"\xdf" + struct.pack(">I", n)
+
+
+def array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes([0x90 | n])
+    if n < 2**16:
+        return b"\xdc" + struct.pack(">H", n)
+    return b"\xdd" + struct.pack(">I", n)
+
+
+def bin_header(n: int) -> bytes:
+    if n < 2**8:
+        return b"\xc4" + bytes([n])
+    if n < 2**16:
+        return b"\xc5" + struct.pack(">H", n)
+    if n < 2**32:
+        return b"\xc6" + struct.pack(">I", n)
+    raise ValueError(f"a msgpack bin holds at most 4 GiB, got {n} bytes")
+
+
+def ext_header(code: int, n: int) -> bytes:
+    fixed = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
+    if n in fixed:
+        return bytes([fixed[n], code])
+    if n < 2**8:
+        return b"\xc7" + bytes([n, code])
+    if n < 2**16:
+        return b"\xc8" + struct.pack(">H", n) + bytes([code])
+    if n < 2**32:
+        return b"\xc9" + struct.pack(">I", n) + bytes([code])
+    raise ValueError(f"a msgpack ext holds at most 4 GiB, got {n} bytes")
+
+
+def pack(obj: Any) -> bytes:
+    """A small value as msgpack packs it (flax's settings)."""
+    return msgpack.packb(obj, use_bin_type=True, strict_types=True)
+
+
+# -- scanning ----------------------------------------------------------------------------
+
+#: deepest nesting accepted when scanning (two Python frames per level)
+MAX_DEPTH = 200
+#: most map entries / array items accepted in one container
+MAX_ITEMS = 50_000_000
+
+
+@dataclass
+class Span:
+    """Where a value's encoding lies in the file: [start, end)."""
+
+    start: int
+    end: int
+
+
+@dataclass
+class ExtLeaf:
+    """An ext value: its type code and the span of its payload."""
+
+    code: int
+    payload: Span
+
+
+class Source:
+    """Ranged reads of a file of known size, with a read-ahead window."""
+
+    def __init__(self, read: Callable[[int, int], bytes], size: int, window: int = 1 << 20) -> None:
+        self._read, self.size, self._window = read, size, window
+        self._buf = b""
+        self._at = 0
+
+    def take(self, pos: int, n: int, what: str) -> bytes:
+        if n < 0 or pos + n > self.size:
+            raise CorruptionError(
+                f"{what} at byte {pos} declares {n} bytes, past the end of the file ({self.size} bytes)"
+            )
+        if not (self._at <= pos and pos + n <= self._at + len(self._buf)):
+            self._at = pos
+            self._buf = self._read(pos, min(self.size, pos + max(n, self._window)))
+            if len(self._buf) < n:
+                raise CorruptionError(f"short read at byte {pos}")
+        off = pos - self._at
+        return self._buf[off : off + n]
+
+
+_FIXED = {0xC0: None, 0xC2: False, 0xC3: True}
+_NUM = {0xCA: ">f", 0xCB: ">d", 0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q",
+        0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
+
+
+def scan(src: Source, *, on_ext: Callable[[int, Span], Any] | None = None) -> tuple[Any, int]:
+    """Parse the msgpack value at the start of ``src`` into Python containers, with ext
+    values replaced by ``on_ext(code, payload_span)`` (default :class:`ExtLeaf`) and bin
+    values by their :class:`Span` when larger than 64 KiB. Returns (value, end offset).
+
+    Raises :class:`CorruptionError` for anything malformed, truncated or oversized.
+    """
+    on_ext = on_ext or (lambda code, span: ExtLeaf(code, span))
+    budget = [MAX_ITEMS]
+
+    def value(pos: int, depth: int) -> tuple[Any, int]:
+        if depth > MAX_DEPTH:
+            raise CorruptionError(f"nesting deeper than {MAX_DEPTH} at byte {pos}")
+        b = src.take(pos, 1, "type byte")[0]
+        pos += 1
+        if b <= 0x7F:
+            return b, pos
+        if b >= 0xE0:
+            return b - 0x100, pos
+        if 0x80 <= b <= 0x8F:
+            return container(pos, b & 0x0F, True, depth)
+        if 0x90 <= b <= 0x9F:
+            return container(pos, b & 0x0F, False, depth)
+        if 0xA0 <= b <= 0xBF:
+            return string(pos, b & 0x1F)
+        if b in _FIXED:
+            return _FIXED[b], pos
+        if b in _NUM:
+            fmt = _NUM[b]
+            n = struct.calcsize(fmt)
+            return struct.unpack(fmt, src.take(pos, n, "number"))[0], pos + n
+        if b in (0xD9, 0xDA, 0xDB):
+            n, pos = length(pos, {0xD9: 1, 0xDA: 2, 0xDB: 4}[b])
+            return string(pos, n)
+        if b in (0xC4, 0xC5, 0xC6):
+            n, pos = length(pos, {0xC4: 1, 0xC5: 2, 0xC6: 4}[b])
+            src.take(pos, 0, "bin")
+            if pos + n > src.size:
+                raise CorruptionError(f"bin at byte {pos} declares {n} bytes, past the end of the file")
+            if n > 65536:
+                return Span(pos, pos + n), pos + n
+            return src.take(pos, n, "bin"), pos + n
+        if b in (0xDC, 0xDD):
+            n, pos = length(pos, 2 if b == 0xDC else 4)
+            return container(pos, n, False, depth)
+        if b in (0xDE, 0xDF):
+            n, pos = length(pos, 2 if b == 0xDE else 4)
+            return container(pos, n, True, depth)
+        if 0xD4 <= b <= 0xD8:
+            n = 1 << (b - 0xD4)
+            code = src.take(pos, 1, "ext type")[0]
+            pos += 1
+            src.take(pos, 0, "ext")
+            if pos + n > src.size:
+                raise CorruptionError(f"ext at byte {pos} runs past the end of the file")
+            return on_ext(code, Span(pos, pos + n)), pos + n
+        if b in (0xC7, 0xC8, 0xC9):
+            n, pos = length(pos, {0xC7: 1, 0xC8: 2, 0xC9: 4}[b])
+            code = src.take(pos, 1, "ext type")[0]
+            pos += 1
+            if pos + n > src.size:
+                raise CorruptionError(f"ext at byte {pos} declares {n} bytes, past the end of the file")
+            return on_ext(code, Span(pos, pos + n)), pos + n
+        raise CorruptionError(f"invalid msgpack type byte 0x{b:02x} at byte {pos - 1}")
+
+    def length(pos: int, width: int) -> tuple[int, int]:
+        raw = src.take(pos, width, "length")
+        return int.from_bytes(raw, "big"), pos + width
+
+    def string(pos: int, n: int) -> tuple[str, int]:
+        raw = src.take(pos, n, "string")
+        try:
+            return raw.decode("utf-8"), pos + n
+        except UnicodeDecodeError:
+            raise CorruptionError(f"invalid UTF-8 string at byte {pos}") from None
+
+    def container(pos: int, n: int, is_map: bool, depth: int) -> tuple[Any, int]:
+        # every item takes at least one byte: a count beyond what is left is a lie
+        if n > (src.size - pos) // (2 if is_map else 1):
+            raise CorruptionError(f"container at byte {pos} declares {n} items, more than the file holds")
+        budget[0] -= n
+        if budget[0] < 0:
+            raise CorruptionError(f"more than {MAX_ITEMS} items in the file")
+        if is_map:
+            out: dict[Any, Any] = {}
+            for _ in range(n):
+                k, pos = value(pos, depth + 1)
+                if isinstance(k, dict | list | Span | ExtLeaf):
+                    raise CorruptionError(f"unhashable map key before byte {pos}")
+                v, pos = value(pos, depth + 1)
+                out[k] = v
+            return out, pos
+        items = []
+        for _ in range(n):
+            v, pos = value(pos, depth + 1)
+            items.append(v)
+        return items, pos
+
+    return value(0, 0)
