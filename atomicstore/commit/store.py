@@ -141,7 +141,7 @@ class Checkpoint:
         ``path`` (not checksummed: the caller checks its own CRC32C)."""
         entry = self._entry(path)
         mv = memoryview(out).cast("B")
-        if not (0 <= start and start + mv.nbytes <= entry.size):
+        if not (start >= 0 and start + mv.nbytes <= entry.size):
             raise InvalidArgumentError(
                 f"range [{start}, {start + mv.nbytes}) outside {self.where(path)} of {entry.size} bytes"
             )

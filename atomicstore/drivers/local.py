@@ -152,6 +152,10 @@ class LocalDriver(Driver):
             return fn(*args)
         except FileNotFoundError as exc:
             raise NotFoundError(f"{op}: not found: {self.describe(key)}") from exc
+        except NotADirectoryError as exc:
+            if op == "rename":
+                raise AlreadyExistsError(f"{op}: already exists: {self.describe(key)}") from exc
+            raise NotFoundError(f"{op}: not found (a parent is a file): {self.describe(key)}") from exc
         except FileExistsError as exc:
             raise AlreadyExistsError(f"{op}: already exists: {self.describe(key)}") from exc
         except OSError as exc:

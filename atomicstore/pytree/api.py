@@ -139,7 +139,7 @@ def _bytes_view(arr: np.ndarray) -> memoryview:
     which do not export the buffer protocol themselves)."""
     if not arr.nbytes:
         return memoryview(bytearray())
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def _check_array(path: Path, arr: np.ndarray) -> None:
@@ -368,7 +368,7 @@ def _path(raw: Any, where: str) -> Path:
 def parse_index(raw: bytes, state_size: int, where: str) -> Index:
     """Validate ``index.msgpack`` (hostile input) against the state file's size."""
     try:
-        doc = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_bin_len=0, max_ext_len=0)
+        doc = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_ext_len=0)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
         raise CorruptionError(f"{where}: unreadable index ({exc})", path=INDEX_FILE) from None
     if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT or not isinstance(doc.get("nodes"), list):
@@ -545,6 +545,13 @@ class _Reader:
                 leaf=path_str(leaf.path),
             )
 
+    def _fetch(self, off: int, mv: memoryview, leaf: Leaf) -> None:
+        try:
+            self.read_into(off, mv)
+        except CorruptionError as exc:
+            raise CorruptionError(f"{self.where}: leaf {path_str(leaf.path)}: {exc}",
+                                  path=STATE_FILE, leaf=path_str(leaf.path)) from None
+
     def read(self, leaves: list[Leaf]) -> dict[Path, Any]:
         out: dict[Path, Any] = {}
         jobs: list[Callable[[], None]] = []
@@ -556,7 +563,13 @@ class _Reader:
 
             def job() -> None:
                 buf = bytearray(end - start)
-                self.read_into(start, memoryview(buf))
+                try:
+                    self.read_into(start, memoryview(buf))
+                except CorruptionError:
+                    for lf in group:  # find the leaf the damage is in
+                        off, n, _ = lf.ranges[0]
+                        self._fetch(off, memoryview(buf)[off - start : off - start + n], lf)
+                    raise
                 for lf in group:
                     off, n, crc = lf.ranges[0]
                     view = memoryview(buf)[off - start : off - start + n]
@@ -572,7 +585,7 @@ class _Reader:
                 flat = _bytes_view(arr)
                 pos = 0
                 for i, (off, n, crc) in enumerate(lf.ranges):
-                    self.read_into(off, flat[pos : pos + n])
+                    self._fetch(off, flat[pos : pos + n], lf)
                     self._check(lf, flat[pos : pos + n], crc, i)
                     pos += n
                 out[lf.path] = arr[()] if lf.kind == "sc" else arr
@@ -592,7 +605,7 @@ class _Reader:
                 batch.append(lf)
         if batch:
             jobs.append(run_batch(batch))
-        if len(jobs) == 1 or self.threads <= 1:
+        if len(jobs) <= 1 or self.threads <= 1:
             for j in jobs:
                 j()
         else:
