@@ -36,10 +36,10 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def arrays(total: int) -> list[np.ndarray]:
-    n = max(1, total // ARRAY_BYTES)
+def arrays(total: int, leaf_bytes: int = ARRAY_BYTES) -> list[np.ndarray]:
+    n = max(1, total // leaf_bytes)
     rng = np.random.default_rng(0)
-    return [rng.standard_normal(ARRAY_BYTES // 4, dtype=np.float32) for _ in range(n)]
+    return [rng.standard_normal(leaf_bytes // 4, dtype=np.float32) for _ in range(n)]
 
 
 def fsync_dir(path: str) -> None:
@@ -50,16 +50,18 @@ def fsync_dir(path: str) -> None:
 
 # -- cases: each returns a callable doing the measured work -------------------------------
 def case_raw_save(work: str, data: list[np.ndarray]) -> Callable[[], None]:
+    """The floor: the same bytes into one file with os.write, one fsync, fsync the directory."""
+
     def run() -> None:
         d = os.path.join(work, "raw")
         os.makedirs(d)
-        for i, a in enumerate(data):
-            fd = os.open(f"{d}/{i}.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+        fd = os.open(f"{d}/state.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+        for a in data:
             mv = memoryview(a).cast("B")
             while mv:
                 mv = mv[os.write(fd, mv):]
-            os.fsync(fd)
-            os.close(fd)
+        os.fsync(fd)
+        os.close(fd)
         fsync_dir(d)
         fsync_dir(work)
 
@@ -67,27 +69,40 @@ def case_raw_save(work: str, data: list[np.ndarray]) -> Callable[[], None]:
 
 
 def case_raw_restore(work: str, data: list[np.ndarray]) -> Callable[[], None]:
+    """The floor: read the same bytes into preallocated arrays, one thread."""
     case_raw_save(work, data)()
     outs = [np.empty_like(a) for a in data]
 
     def run() -> None:
-        for i, o in enumerate(outs):
-            with open(f"{work}/raw/{i}.bin", "rb", buffering=0) as f:
+        with open(f"{work}/raw/state.bin", "rb", buffering=0) as f:
+            for o in outs:
                 f.readinto(memoryview(o).cast("B"))
 
     return run
 
 
+def _tree(data: list[np.ndarray]) -> dict[str, np.ndarray]:
+    return {f"layer_{i:05d}": a for i, a in enumerate(data)}
+
+
+def _fsync_tree(path: str) -> None:
+    """fsync every file and directory below ``path`` (what a library wrote), and its parent."""
+    for dirpath, _dirs, files in os.walk(path):
+        for fn in files:
+            fd = os.open(os.path.join(dirpath, fn), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        fsync_dir(dirpath)
+    fsync_dir(os.path.dirname(path))
+
+
 def case_atomicstore_save(work: str, data: list[np.ndarray]) -> Callable[[], None]:
     import atomicstore
 
-    store = atomicstore.open_store(os.path.join(work, "as"))
+    tree = _tree(data)
 
     def run() -> None:
-        with store.transaction("step_1") as txn:
-            for i, a in enumerate(data):
-                with txn.open(f"{i}.bin") as f:
-                    f.write(a)
+        atomicstore.save(os.path.join(work, "as", "step_1"), tree)
 
     return run
 
@@ -96,13 +111,91 @@ def case_atomicstore_restore(work: str, data: list[np.ndarray]) -> Callable[[], 
     import atomicstore
 
     case_atomicstore_save(work, data)()
-    store = atomicstore.open_store(os.path.join(work, "as"))
-    outs = [np.empty_like(a) for a in data]
 
     def run() -> None:
-        ckpt = store.open("step_1")
-        for i, o in enumerate(outs):
-            ckpt.read_into(f"{i}.bin", o)
+        atomicstore.restore(os.path.join(work, "as", "step_1"))
+
+    return run
+
+
+def _flax():
+    import flax
+    from flax.training import checkpoints
+
+    flax.config.update("flax_use_orbax_checkpointing", False)
+    return checkpoints
+
+
+def case_flax_save(work: str, data: list[np.ndarray]) -> Callable[[], None]:
+    ckpt = _flax()
+    tree = _tree(data)
+    d = os.path.join(work, "flax")
+
+    def run() -> None:
+        ckpt.save_checkpoint(d, tree, step=1, keep=1)
+        _fsync_tree(d)
+
+    return run
+
+
+def case_flax_restore(work: str, data: list[np.ndarray]) -> Callable[[], None]:
+    ckpt = _flax()
+    case_flax_save(work, data)()
+
+    def run() -> None:
+        ckpt.restore_checkpoint(os.path.join(work, "flax"), target=None)
+
+    return run
+
+
+def case_orbax_save(work: str, data: list[np.ndarray]) -> Callable[[], None]:
+    import orbax.checkpoint as ocp
+
+    tree = _tree(data)
+    d = os.path.join(work, "orbax", "step_1")
+    ckptr = ocp.StandardCheckpointer()
+
+    def run() -> None:
+        ckptr.save(d, tree)
+        ckptr.wait_until_finished()
+        _fsync_tree(d)
+
+    return run
+
+
+def case_orbax_restore(work: str, data: list[np.ndarray]) -> Callable[[], None]:
+    import orbax.checkpoint as ocp
+
+    case_orbax_save(work, data)()
+    ckptr = ocp.StandardCheckpointer()
+
+    def run() -> None:
+        ckptr.restore(os.path.join(work, "orbax", "step_1"))
+
+    return run
+
+
+def case_safetensors_save(work: str, data: list[np.ndarray]) -> Callable[[], None]:
+    from safetensors.numpy import save_file
+
+    tree = _tree(data)
+    d = os.path.join(work, "st")
+
+    def run() -> None:
+        os.makedirs(d, exist_ok=True)
+        save_file(tree, os.path.join(d, "model.safetensors"))
+        _fsync_tree(d)
+
+    return run
+
+
+def case_safetensors_restore(work: str, data: list[np.ndarray]) -> Callable[[], None]:
+    from safetensors.numpy import load_file
+
+    case_safetensors_save(work, data)()
+
+    def run() -> None:
+        load_file(os.path.join(work, "st", "model.safetensors"))
 
     return run
 
@@ -138,31 +231,25 @@ def case_atomicstore_s3_save(work: str, data: list[np.ndarray]) -> Callable[[], 
     import atomicstore
 
     srv, bucket, opts = _s3(0)
-    store = atomicstore.open_store(f"s3://{bucket}/as", **opts)
+    tree = _tree(data)
 
     def run() -> None:
-        with store.transaction("step_1") as txn:
-            for i, a in enumerate(data):
-                with txn.open(f"{i}.bin") as f:
-                    f.write(a)
+        atomicstore.save(f"s3://{bucket}/as/step_1", tree, **opts)
 
     return run
 
 
-CASES = {
-    "raw_save": case_raw_save,
-    "atomicstore_save": case_atomicstore_save,
-    "raw_restore": case_raw_restore,
-    "atomicstore_restore": case_atomicstore_restore,
-    "boto3_s3_save": case_boto3_s3_save,
-    "atomicstore_s3_save": case_atomicstore_s3_save,
-}
+LIBS = ["raw", "atomicstore", "flax", "orbax", "safetensors"]
+SMALL_LIBS = ["flax", "atomicstore", "orbax", "safetensors"]  # raw: 10,000 fsynced files is no anchor
+CASES = {f"{lib}_{op}": globals()[f"case_{lib}_{op}"] for lib in LIBS for op in ("save", "restore")}
+CASES["boto3_s3_save"] = case_boto3_s3_save
+CASES["atomicstore_s3_save"] = case_atomicstore_s3_save
 
 
-def child(case: str, total: int) -> None:
+def child(case: str, total: int, leaf: int) -> None:
     work = tempfile.mkdtemp(prefix="asbench-", dir=os.environ.get("BENCH_DIR"))
     try:
-        data = arrays(total)
+        data = arrays(total, leaf)
         run = CASES[case](work, data)
         before = rss()
         t0 = time.perf_counter()
@@ -174,13 +261,15 @@ def child(case: str, total: int) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def measure(case: str, total: int, repeat: int) -> dict[str, float]:
+def measure(case: str, total: int, repeat: int, leaf: int = ARRAY_BYTES) -> dict[str, float]:
     times, extras = [], []
     for _ in range(repeat):
         out = subprocess.run(
-            [sys.executable, __file__, "--child", case, "--bytes", str(total)],
-            capture_output=True, text=True, check=True,
+            [sys.executable, __file__, "--child", case, "--bytes", str(total), "--leaf", str(leaf)],
+            capture_output=True, text=True,
         )
+        if out.returncode != 0:
+            raise RuntimeError(f"{case} failed:\n{out.stderr[-3000:]}")
         res = json.loads(out.stdout.strip().splitlines()[-1])
         times.append(res["time"])
         extras.append(res["extra"])
@@ -191,31 +280,40 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--child")
     ap.add_argument("--bytes", type=int, default=2**30)
+    ap.add_argument("--leaf", type=int, default=ARRAY_BYTES)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="256 MiB instead of 1 GiB, no 4 GiB case")
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.bytes)
+        child(args.child, args.bytes, args.leaf)
         return
     total = 256 * MiB if args.quick else args.bytes
-    s3_total = min(total, 256 * MiB)
-    rows = []
     groups = [
-        ("durable save, local", total, "raw_save", ["atomicstore_save"]),
-        ("restore, local (warm cache)", total, "raw_restore", ["atomicstore_restore"]),
-        ("save to S3 fake (moto)", s3_total, "boto3_s3_save", ["atomicstore_s3_save"]),
+        (f"durable save, {total // MiB} MiB (16 leaves)", total, ARRAY_BYTES, "save", LIBS),
+        (f"restore, {total // MiB} MiB (warm cache)", total, ARRAY_BYTES, "restore", LIBS),
+        ("durable save, 10,000 x 1 KiB leaves", 10_000 * 1024, 1024, "save", SMALL_LIBS),
+        ("restore, 10,000 x 1 KiB leaves", 10_000 * 1024, 1024, "restore", SMALL_LIBS),
     ]
-    for title, size, anchor, others in groups:
-        base = measure(anchor, size, args.repeat)
-        rows.append((title, anchor, size, base, 1.0))
-        for o in others:
-            r = measure(o, size, args.repeat)
-            rows.append((title, o, size, r, r["time"] / base["time"]))
-    print(f"\nmedian of {args.repeat}, each case in its own process\n")
-    print("| benchmark | case | bytes | time (s) | × anchor | extra peak RSS (MiB) |")
-    print("|---|---|---:|---:|---:|---:|")
-    for title, case, size, r, ratio in rows:
-        print(f"| {title} | {case} | {size // MiB} MiB | {r['time']:.3f} | {ratio:.2f} | {r['extra'] / MiB:.0f} |")
+    if not args.quick:
+        groups.append((f"durable save, {4 * total // MiB} MiB (scaling)", 4 * total, ARRAY_BYTES, "save",
+                       ["raw", "atomicstore"]))
+    groups.append((f"save to S3 fake (moto), {min(total, 256 * MiB) // MiB} MiB", min(total, 256 * MiB),
+                   ARRAY_BYTES, "s3_save", ["boto3", "atomicstore"]))
+    rows = []
+    for title, size, leaf, op, libs in groups:
+        base = None
+        for lib in libs:
+            r = measure(f"{lib}_{op}", size, args.repeat, leaf)
+            base = base or r["time"]
+            rows.append((title, lib, r, r["time"] / base))
+            print(f"{title:45s} {lib:12s} {r['time']:8.3f} s  x{r['time'] / base:5.2f}  "
+                  f"+{r['extra'] / MiB:6.0f} MiB", file=sys.stderr, flush=True)
+    print(f"\nmedian of {args.repeat} runs, each case in its own process; ratio against the first row "
+          "of each group (raw I/O, flax legacy for small leaves, boto3 for S3)\n")
+    print("| benchmark | library | time (s) | x anchor | extra peak RSS (MiB) |")
+    print("|---|---|---:|---:|---:|")
+    for title, lib, r, ratio in rows:
+        print(f"| {title} | {lib} | {r['time']:.3f} | {ratio:.2f} | {r['extra'] / MiB:.0f} |")
 
 
 if __name__ == "__main__":

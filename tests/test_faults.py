@@ -90,11 +90,12 @@ def test_stalled_data_upload_times_out_and_commits_nothing(object_backend):
         return is_mutation(env) and int(env.get("CONTENT_LENGTH") or 0) > 4000
 
     object_backend.faults(FaultPlan(stalls=[(big_upload, 6.0)]))
-    t0 = time.monotonic()
+    txn = store.transaction("slow")
+    t0 = time.monotonic()  # the stalled operation starts here
     with pytest.raises(atomicstore.StorageTimeoutError, match="did not finish within 1.0s") as info:
-        with store.transaction("slow") as txn:
-            txn.write_bytes("stall.bin", b"x" * 5000)
+        txn.write_bytes("stall.bin", b"x" * 5000)
     elapsed = time.monotonic() - t0
+    txn.abort()
     assert isinstance(info.value, TimeoutError)
     assert elapsed < timeout + 1.5, elapsed
     object_backend.faults(None)
@@ -105,10 +106,11 @@ def test_stalled_marker_times_out_in_time_and_store_stays_consistent(object_back
     timeout = 1.0
     store = object_backend.open(operation_timeout=timeout)
     object_backend.faults(FaultPlan(stalls=[(is_conditional, 3.0)]))
-    t0 = time.monotonic()
+    txn = store.transaction("late")
+    txn.write_bytes("a", b"data")
+    t0 = time.monotonic()  # the commit's stalled marker write starts here
     with pytest.raises(atomicstore.StorageTimeoutError):
-        with store.transaction("late") as txn:
-            txn.write_bytes("a", b"data")
+        txn.commit()
     assert time.monotonic() - t0 < timeout + 1.5
     object_backend.faults(None)
     time.sleep(3.0)  # the stalled request reaches the server after all

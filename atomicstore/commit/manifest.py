@@ -50,6 +50,18 @@ def _load_extend() -> Any:
 _extend = _load_extend()
 
 
+def crc32c_slices(buf: bytearray | memoryview, spans: list[tuple[int, int]]) -> list[int]:
+    """CRC32C of each ``buf[start:start + n]`` for ``(start, n)`` in ``spans``, without
+    copying the slices (one C call each)."""
+    if _extend is None or not spans:
+        mv = memoryview(buf)
+        return [crc32c(mv[a : a + n]) for a, n in spans]
+    base = np.frombuffer(buf, dtype=np.uint8)
+    addr = base.ctypes.data
+    ext = _extend
+    return [int(ext(0, addr + a, n)) if n else 0 for a, n in spans]
+
+
 def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """CRC32C (Castagnoli) of ``data``, continuing from ``value``.
 

@@ -278,6 +278,12 @@ class Driver(ABC):
         return f"<{type(self).__name__} {self.url}>"
 
 
+def _swallow(task: asyncio.Future[Any]) -> None:
+    """Retrieve the outcome of an abandoned request so asyncio does not log it."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _mtime(raw: Mapping[str, Any]) -> float | None:
     """Modification time (Unix seconds) from an fsspec info dict, if it has one."""
     for k in ("LastModified", "mtime", "updated", "last_modified"):
@@ -329,9 +335,10 @@ def http_status_of(exc: BaseException) -> int | None:
 class AsyncFsspecDriver(Driver):
     """Helpers for drivers over fsspec's async filesystems (s3fs, gcsfs, ...).
 
-    Every request runs as a coroutine on the filesystem's own event loop under
-    ``asyncio.wait_for(operation_timeout)`` and the retry policy, so a stalled request is
-    cancelled and fails with :class:`StorageTimeoutError` instead of hanging the caller.
+    Every request runs as a coroutine on the filesystem's own event loop under the
+    operation timeout and the retry policy, so a stalled request is abandoned (cancelled
+    in the background) and fails with :class:`StorageTimeoutError` instead of hanging the
+    caller.
     A timeout is not retried: the caller learns within the timeout plus a small margin.
     """
 
@@ -358,11 +365,22 @@ class AsyncFsspecDriver(Driver):
     ) -> concurrent.futures.Future[T]:
         """Run ``make()`` on the filesystem loop with timeout and retries; a future."""
 
+        async def once() -> T:
+            # Not asyncio.wait_for: it waits for the cancelled request to wind down, which
+            # an HTTP client may delay until the server answers. Give up on time instead.
+            task = asyncio.ensure_future(make())
+            done, _ = await asyncio.wait({task}, timeout=self.operation_timeout)
+            if not done:
+                task.cancel()
+                task.add_done_callback(_swallow)
+                raise TimeoutError(f"{op} timed out")
+            return task.result()
+
         async def run() -> T:
             try:
                 async for attempt in self.retry.async_retrying(self.is_transient):
                     with attempt:
-                        return await asyncio.wait_for(make(), self.operation_timeout)
+                        return await once()
             except BaseException as exc:  # noqa: BLE001 - translated below
                 if isinstance(exc, asyncio.CancelledError):
                     raise

@@ -16,18 +16,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import google_crc32c
 import msgpack
 import numpy as np
 
 from ..commit import Manifest, Store, open_store
-from ..commit.manifest import crc32c
+from ..commit.manifest import crc32c, crc32c_slices
 from ..commit.store import Checkpoint
 from ..errors import (
     AtomicStoreError,
@@ -60,6 +63,7 @@ class _Emitter:
 
     def __init__(self, f: Any, progress: Callable[[int], None] | None) -> None:
         self.f, self.buf, self.offset, self.progress = f, bytearray(), 0, progress
+        self.pack = msgpack.Packer(use_bin_type=True, strict_types=True).pack
 
     def small(self, b: bytes) -> None:
         self.buf += b
@@ -104,6 +108,8 @@ def _as_fn(fns: Any, what: str) -> Callable[[Path, Any], Any] | None:
 
 
 def _to_numpy(path: Path, x: Any, opts: _SaveOptions) -> Any:
+    if type(x) is np.ndarray and opts.gather is None and opts.cast_dtype is None:
+        return x
     if opts.gather is not None:
         x = opts.gather(path, x)
     if is_jax_array(x):
@@ -118,20 +124,38 @@ def _to_numpy(path: Path, x: Any, opts: _SaveOptions) -> Any:
     return x
 
 
-def _ndarray_ext(em: _Emitter, arr: np.ndarray, code: int) -> tuple[int, int, int]:
-    """Write ``arr`` as flax's ndarray ext; return (data offset, nbytes, crc32c)."""
+_HEADS: dict[tuple[Any, tuple[int, ...], int], tuple[bytes, str]] = {}
+
+
+def _array_head(arr: np.ndarray, code: int) -> tuple[bytes, str]:
+    """(ext header + ndarray tuple header up to the data, dtype name), cached per dtype
+    and shape: leaves of one model share a handful of them."""
+    key = (arr.dtype, arr.shape, code)
+    hit = _HEADS.get(key)
+    if hit is None:
+        name = arr.dtype.name
+        head = mp.array_header(3) + mp.pack(list(arr.shape)) + mp.pack(name) + mp.bin_header(arr.nbytes)
+        hit = (mp.ext_header(code, len(head) + arr.nbytes) + head, name)
+        if len(_HEADS) < 4096:
+            _HEADS[key] = hit
+    return hit
+
+
+def _ndarray_ext(em: _Emitter, arr: np.ndarray, code: int) -> tuple[int, int, int, str]:
+    """Write ``arr`` as flax's ndarray ext; return (data offset, nbytes, crc32c, dtype name)."""
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)  # (keeps 0-d arrays 0-d, unlike calling it always)
-    data = _bytes_view(arr)
-    head = mp.array_header(3) + mp.pack(list(arr.shape)) + mp.pack(arr.dtype.name) + mp.bin_header(arr.nbytes)
-    em.small(mp.ext_header(code, len(head) + arr.nbytes) + head)
+    head, name = _array_head(arr, code)
+    em.small(head)
     off = em.offset
+    if arr.nbytes < 65536:
+        raw = arr.tobytes()
+        em.small(raw)
+        return off, len(raw), google_crc32c.value(raw), name
+    data = _bytes_view(arr)
     crc = crc32c(data)
-    if arr.nbytes >= 4096:
-        em.big(data, crc)
-    else:
-        em.small(bytes(data))
-    return off, arr.nbytes, crc
+    em.big(data, crc)
+    return off, arr.nbytes, crc, name
 
 
 def _bytes_view(arr: np.ndarray) -> memoryview:
@@ -163,8 +187,21 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list, opts: _SaveOpt
             keys.add(sk)
         index.append([0, list(path), kind])
         em.small(mp.map_header(len(items)))
+        plain = opts.gather is None and opts.cast_dtype is None
+        lpath = list(path)
         for k, child in items:
-            em.small(mp.pack(k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k)))
+            kb = em.pack(k if type(k) is str else k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k))
+            if plain and type(child) is np.ndarray and child.nbytes < 65536 and child.flags.c_contiguous \
+                    and not child.dtype.hasobject and child.dtype.fields is None:
+                # the common case of many small arrays, inlined
+                head, name = _array_head(child, EXT_NDARRAY)
+                raw = child.tobytes()
+                em.small(kb + head)
+                index.append([1, [*lpath, k], "nd", name, list(child.shape), em.offset, len(raw),
+                              google_crc32c.value(raw)])
+                em.small(raw)
+                continue
+            em.small(kb)
             _write_node(em, child, (*path, k), index, opts, depth + 1)
         return
     if node is None:
@@ -177,13 +214,13 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list, opts: _SaveOpt
         if x.nbytes > FLAX_MAX_CHUNK:
             _write_chunked(em, x, path, index)
             return
-        off, n, crc = _ndarray_ext(em, x, EXT_NDARRAY)
-        index.append([1, list(path), "nd", x.dtype.name, list(x.shape), off, n, crc])
+        off, n, crc, name = _ndarray_ext(em, x, EXT_NDARRAY)
+        index.append([1, list(path), "nd", name, list(x.shape), off, n, crc])
     elif isinstance(x, np.generic):
         arr = np.asarray(x)
         _check_array(path, arr)
-        off, n, crc = _ndarray_ext(em, arr, EXT_NPSCALAR)
-        index.append([1, list(path), "sc", arr.dtype.name, [], off, n, crc])
+        off, n, crc, name = _ndarray_ext(em, arr, EXT_NPSCALAR)
+        index.append([1, list(path), "sc", name, [], off, n, crc])
     elif isinstance(x, complex):
         payload = msgpack.packb((x.real, x.imag))  # as flax packs it
         blob = mp.ext_header(EXT_COMPLEX, len(payload)) + payload
@@ -214,7 +251,7 @@ def _write_chunked(em: _Emitter, arr: np.ndarray, path: Path, index: list) -> No
     chunks = []
     for i, s in enumerate(starts):
         em.small(mp.pack(str(i)))
-        off, n, crc = _ndarray_ext(em, flat[s : s + per], EXT_NDARRAY)
+        off, n, crc, _ = _ndarray_ext(em, flat[s : s + per], EXT_NDARRAY)
         chunks.append([off, n, crc])
     index.append([1, list(path), "ndc", arr.dtype.name, list(arr.shape), chunks])
 
@@ -296,7 +333,8 @@ def save(
             _write_node(em, tree, (), index, opts, 0)
             em.flush()
             state_size = em.offset
-        doc = {"format": INDEX_FORMAT, "state_size": state_size, "nodes": index}
+        str_keys = all(type(k) is str for node in index for k in node[1])
+        doc = {"format": INDEX_FORMAT, "state_size": state_size, "str_keys": str_keys, "nodes": index}
         txn.write_bytes(INDEX_FILE, msgpack.packb(doc, use_bin_type=True))
     if show and not callable(progress):
         print(file=sys.stderr)
@@ -311,20 +349,20 @@ def _leaves(tree: Any) -> list[tuple[Path, Any]]:
 
 
 # -- the index -------------------------------------------------------------------------------
-@dataclass
 class Leaf:
-    """Where one leaf is and what it is."""
+    """Where one leaf is and what it is.
 
-    path: Path
-    kind: str  # "nd" array, "sc" numpy scalar, "ndc" chunked array, "py" msgpack value, "lit" literal
-    dtype: np.dtype | None
-    shape: tuple[int, ...]
-    ranges: list[tuple[int, int, int | None]]  # (offset, length, crc32c or None)
-    value: Any = None  # for "lit"
+    ``kind``: "nd" array, "sc" numpy scalar, "ndc" chunked array, "py" msgpack value,
+    "lit" a literal already decoded (legacy files). ``ranges``: (offset, length, CRC32C or
+    None) in the state file.
+    """
 
-    @property
-    def nbytes(self) -> int:
-        return sum(n for _, n, _ in self.ranges)
+    __slots__ = ("path", "kind", "dtype", "shape", "ranges", "value", "nbytes")
+
+    def __init__(self, path: Path, kind: str, dtype: np.dtype | None, shape: tuple[int, ...],
+                 ranges: list[tuple[int, int, int | None]], value: Any = None) -> None:
+        self.path, self.kind, self.dtype, self.shape, self.ranges, self.value = path, kind, dtype, shape, ranges, value
+        self.nbytes = ranges[0][1] if len(ranges) == 1 else sum(r[1] for r in ranges)
 
 
 @dataclass
@@ -334,7 +372,22 @@ class Index:
     order: list[tuple[int, Path]]
 
 
-def _dtype(name: Any, where: str) -> np.dtype:
+_DTYPES: dict[Any, np.dtype] = {}
+
+
+def _dtype(name: Any, where: str | Callable[[], str]) -> np.dtype:
+    hit = _DTYPES.get(name) if isinstance(name, str | bytes) else None
+    if hit is not None:
+        return hit
+    if callable(where):
+        where = where()
+    dt = _dtype_uncached(name, where)
+    if len(_DTYPES) < 1024:
+        _DTYPES[name] = dt
+    return dt
+
+
+def _dtype_uncached(name: Any, where: str) -> np.dtype:
     if not isinstance(name, str | bytes):
         raise CorruptionError(f"{where}: dtype is not a name", leaf=where)
     name = name.decode() if isinstance(name, bytes) else name
@@ -352,17 +405,25 @@ def _dtype(name: Any, where: str) -> np.dtype:
 
 
 def _shape(shape: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(shape, list | tuple) or len(shape) > 64 or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**62 for d in shape
-    ):
+    if type(shape) is not list and type(shape) is not tuple or len(shape) > 64:
         raise CorruptionError(f"{where}: invalid shape {shape!r}", leaf=where)
+    for d in shape:
+        if type(d) is not int or not 0 <= d < 2**62:
+            raise CorruptionError(f"{where}: invalid shape {shape!r}", leaf=where)
     return tuple(shape)
 
 
 def _path(raw: Any, where: str) -> Path:
-    if not isinstance(raw, list) or len(raw) > mp.MAX_DEPTH or not all(isinstance(k, str | int | bytes) for k in raw):
+    if type(raw) is not list or len(raw) > mp.MAX_DEPTH:
         raise CorruptionError(f"{where}: invalid key path", path=INDEX_FILE)
+    for k in raw:
+        if type(k) is not str and type(k) is not int and type(k) is not bytes:
+            raise CorruptionError(f"{where}: invalid key path", path=INDEX_FILE)
     return tuple(raw)
+
+
+def _leaf_where(where: str, p: Path) -> str:
+    return f"{where} leaf {path_str(p)}"
 
 
 def parse_index(raw: bytes, state_size: int, where: str) -> Index:
@@ -390,32 +451,32 @@ def parse_index(raw: bytes, state_size: int, where: str) -> Index:
                 idx.order.append((0, p))
                 continue
             p = _path(node[1], where)
-            leaf_where = f"{where} leaf {path_str(p)}"
             kind = node[2]
             if kind in ("nd", "sc", "py"):
                 _, _, _, dtn, shp, off, n, crc = node
                 ranges = [(off, n, crc)]
-                dt = _dtype(dtn, leaf_where) if kind != "py" else None
-                shape = _shape(shp, leaf_where) if kind != "py" else ()
+                dt = _dtype(dtn, partial(_leaf_where, where, p)) if kind != "py" else None
+                shape = _shape(shp, where) if kind != "py" else ()
             elif kind == "ndc":
                 _, _, _, dtn, shp, chunks = node
-                dt, shape = _dtype(dtn, leaf_where), _shape(shp, leaf_where)
+                dt, shape = _dtype(dtn, partial(_leaf_where, where, p)), _shape(shp, where)
                 if not isinstance(chunks, list):
                     raise TypeError("chunks is not a list")
                 ranges = [tuple(c) for c in chunks]  # type: ignore[misc]
             else:
                 raise TypeError(f"leaf kind {kind!r}")
             for r in ranges:
-                if not (len(r) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in r)):
-                    raise TypeError("bad byte range")
+                if len(r) != 3 or type(r[0]) is not int or type(r[1]) is not int or type(r[2]) is not int:
+                    raise TypeError(f"bad byte range at {path_str(p)}")
                 off, n, crc = r
                 if off < 0 or n < 0 or off + n > state_size or not 0 <= crc < 2**32:
+                    leaf_where = f"{where} leaf {path_str(p)}"
                     raise CorruptionError(f"{leaf_where}: byte range [{off}, {off + n}) outside the "
                                           f"{state_size}-byte state file", path=STATE_FILE, leaf=path_str(p))
             leaf = Leaf(p, kind, dt, shape, list(ranges))  # type: ignore[arg-type]
-            if dt is not None and int(np.prod(shape, dtype=object)) * dt.itemsize != leaf.nbytes:
-                raise CorruptionError(f"{leaf_where}: shape {shape} of {dt} does not match {leaf.nbytes} bytes",
-                                      path=STATE_FILE, leaf=path_str(p))
+            if dt is not None and math.prod(shape) * dt.itemsize != leaf.nbytes:
+                raise CorruptionError(f"{where} leaf {path_str(p)}: shape {shape} of {dt} does not match "
+                                      f"{leaf.nbytes} bytes", path=STATE_FILE, leaf=path_str(p))
             idx.leaves[p] = leaf
             idx.order.append((1, p))
         except CorruptionError:
@@ -456,7 +517,7 @@ def index_of_msgpack(read: Callable[[int, int], bytes], size: int, where: str) -
         else:
             raise CorruptionError(f"{lw}: array data is not bytes", path=where, leaf=path_str(p))
         leaf = Leaf(p, kind, dt, shp, [rng])
-        if int(np.prod(shp, dtype=object)) * dt.itemsize != leaf.nbytes:
+        if math.prod(shp) * dt.itemsize != leaf.nbytes:
             raise CorruptionError(f"{lw}: shape {shp} of {dt} does not match {leaf.nbytes} bytes",
                                   path=where, leaf=path_str(p))
         return leaf
@@ -475,7 +536,7 @@ def index_of_msgpack(read: Callable[[int, int], bytes], size: int, where: str) -
             dt = leaves[0].dtype
             leaf = Leaf(p, "ndc", dt, _shape(list(shape), where), [r for lf in leaves for r in lf.ranges])
             assert dt is not None
-            if int(np.prod(leaf.shape, dtype=object)) * dt.itemsize != leaf.nbytes:
+            if math.prod(leaf.shape) * dt.itemsize != leaf.nbytes:
                 raise CorruptionError(f"{where} leaf {path_str(p)}: chunks do not add up", path=where)
             idx.leaves[p] = leaf
             idx.order.append((1, p))
@@ -570,11 +631,21 @@ class _Reader:
                         off, n, _ = lf.ranges[0]
                         self._fetch(off, memoryview(buf)[off - start : off - start + n], lf)
                     raise
-                for lf in group:
-                    off, n, crc = lf.ranges[0]
-                    view = memoryview(buf)[off - start : off - start + n]
-                    self._check(lf, view, crc, 0)
-                    out[lf.path] = self._decode(lf, view)
+                spans = [(lf.ranges[0][0] - start, lf.ranges[0][1]) for lf in group]
+                crcs = crc32c_slices(buf, spans)
+                base = np.frombuffer(buf, dtype=np.uint8)
+                for lf, (rel, n), got in zip(group, spans, crcs, strict=True):
+                    want = lf.ranges[0][2]
+                    if want is not None and got != want:
+                        self._check(lf, memoryview(buf)[rel : rel + n], want, 0)
+                    if lf.kind == "py":
+                        out[lf.path] = self._decode(lf, memoryview(buf)[rel : rel + n])
+                        continue
+                    assert lf.dtype is not None
+                    arr = base[rel : rel + n].view(lf.dtype).reshape(lf.shape)
+                    if not arr.flags.aligned:
+                        arr = arr.copy()
+                    out[lf.path] = arr[()] if lf.kind == "sc" else arr
 
             return job
 
@@ -670,6 +741,49 @@ def _build(idx: Index, values: dict[Path, Any], root: Path) -> Any:
     return result
 
 
+#: states up to this size may be restored by one verified read and msgpack's C decoder
+FAST_RESTORE_BYTES = 64 << 20
+_NO_FAST_PATH = object()
+
+
+def _fast_ext(code: int, data: bytes) -> Any:
+    if code == EXT_COMPLEX:
+        pair = msgpack.unpackb(data)
+        return complex(pair[0], pair[1])
+    shape, name, buf = msgpack.unpackb(data, raw=False)
+    arr = np.frombuffer(buf, dtype=_dtype(name, "state")).reshape(shape).copy()
+    return arr[()] if code == EXT_NPSCALAR else arr
+
+
+def _restore_whole(ckpt: Checkpoint, raw_index: bytes, state_size: int) -> Any:
+    """Small states of many leaves: read the whole state once (its CRC32C checked against
+    the manifest), decode it with msgpack's C decoder as flax does, then give lists and
+    tuples back their type from the index. Anything unexpected falls back to the indexed
+    path, which names the damaged leaf."""
+    try:
+        doc = msgpack.unpackb(raw_index, raw=False, strict_map_key=False, max_ext_len=0)
+        if not (isinstance(doc, dict) and doc.get("format") == INDEX_FORMAT and doc.get("str_keys") is True
+                and doc.get("state_size") == state_size and isinstance(doc.get("nodes"), list)):
+            return _NO_FAST_PATH
+        shaped = [(n[1], n[2]) for n in doc["nodes"] if n[0] == 0 and n[2] in ("list", "tuple")]
+        value = msgpack.unpackb(ckpt.read_bytes(STATE_FILE), raw=False, strict_map_key=False,
+                                ext_hook=_fast_ext)
+        for path, kind in sorted(shaped, key=lambda pk: len(pk[0]), reverse=True):
+            parent, node = None, value
+            for k in path:
+                parent, node = node, node[k]
+            seq = [node[str(i)] for i in range(len(node))]
+            conv = seq if kind == "list" else tuple(seq)
+            if parent is None:
+                value = conv
+            else:
+                parent[path[-1]] = conv
+        return value
+    except (AtomicStoreError, ValueError, TypeError, KeyError, IndexError, msgpack.ExtraData,
+            msgpack.FormatError, msgpack.StackError):
+        return _NO_FAST_PATH
+
+
 def _open_checkpoint(url_or_path: Any, store: Store | None, storage_options: dict) -> tuple[Checkpoint | None, Any]:
     root, name = split_url(url_or_path)
     st = store or open_store(root, **storage_options)
@@ -724,7 +838,12 @@ def restore(
         if STATE_FILE not in ckpt.files or INDEX_FILE not in ckpt.files:
             raise CorruptionError(f"{ckpt.where('')}: not a pytree checkpoint (no {STATE_FILE}/{INDEX_FILE})")
         state_size = ckpt.files[STATE_FILE].size
-        idx = parse_index(ckpt.read_bytes(INDEX_FILE), state_size, ckpt.where(INDEX_FILE))
+        raw_index = ckpt.read_bytes(INDEX_FILE)
+        if target is None and not root and post is None and state_size <= FAST_RESTORE_BYTES:
+            fast = _restore_whole(ckpt, raw_index, state_size)
+            if fast is not _NO_FAST_PATH:
+                return fast
+        idx = parse_index(raw_index, state_size, ckpt.where(INDEX_FILE))
 
         def read_into(off: int, mv: memoryview) -> None:
             ckpt.read_range_into(STATE_FILE, off, mv)
