@@ -503,7 +503,7 @@ class BufferedPartWriter(Writer):
         if not self.started:
             self._start()
             self.started = True
-        data = bytes(self.buf)
+        data = self.buf  # handed over, not copied: the next part gets a fresh buffer
         self.buf = bytearray()
         fut = self._upload_part(data, self.offset, final)
         self.offset += len(data)
@@ -544,7 +544,7 @@ class BufferedPartWriter(Writer):
     def _start(self) -> None: ...
 
     @abstractmethod
-    def _upload_part(self, data: bytes, offset: int, final: bool) -> concurrent.futures.Future[Any]: ...
+    def _upload_part(self, data: bytearray, offset: int, final: bool) -> concurrent.futures.Future[Any]: ...
 
     @abstractmethod
     def _complete(self) -> None: ...

@@ -54,7 +54,7 @@ class _GCSWriter(BufferedPartWriter):
             "start upload", self.key, lambda: gcsfs.core.initiate_upload(self.driver.fs, bucket, obj)
         )
 
-    def _upload_part(self, data: bytes, offset: int, final: bool) -> concurrent.futures.Future[Any]:
+    def _upload_part(self, data: bytearray, offset: int, final: bool) -> concurrent.futures.Future[Any]:
         total = str(offset + len(data)) if final else "*"
         rng = f"bytes {offset}-{offset + len(data) - 1}/{total}" if data else f"bytes */{total}"
         headers = {"Content-Range": rng, "Content-Type": "application/octet-stream"}
