@@ -97,6 +97,9 @@ class CrashingDriver(Driver):
     def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         self._m("put", key).put(key, data, exclusive=exclusive)
 
+    def put_volatile(self, key: str, data: bytes) -> None:
+        self._m("put", key).put_volatile(key, data)
+
     def delete(self, key: str) -> None:
         self._m("delete", key).delete(key)
 
@@ -287,7 +290,10 @@ class PosixModelDriver(Driver):
         parent.entries[name] = node
         return _ModelWriter(self, key, node)
 
-    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+    def put_volatile(self, key: str, data: bytes) -> None:
+        self.put(key, data, durable=False)
+
+    def put(self, key: str, data: bytes, *, exclusive: bool = False, durable: bool = True) -> None:
         self.makedirs(posixpath.dirname(key))
         parent, name = self._parent(key)
         tmp = f".{name}.put-1-00"
@@ -297,7 +303,8 @@ class PosixModelDriver(Driver):
         self.crasher.step("write", tmp)
         node.data += data
         node.mtime = self.model.tick()
-        self._fsync_file(key, node)
+        if durable:
+            self._fsync_file(key, node)
         if exclusive:
             if name in parent.entries:
                 self.crasher.step("unlink", tmp)
@@ -310,7 +317,8 @@ class PosixModelDriver(Driver):
         else:
             self.crasher.step("rename", key)
             parent.entries[name] = parent.entries.pop(tmp)
-        self.fsync_dir(posixpath.dirname(key))
+        if durable:
+            self.fsync_dir(posixpath.dirname(key))
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         self.crasher.read()

@@ -72,7 +72,7 @@ class Lease:
 
     def acquire(self) -> None:
         start = time.time()
-        self.driver.put(self.key, self._doc())
+        self.driver.put_volatile(self.key, self._doc())  # a lease needs no fsync
         self.expires = start + self.ttl
         self._thread = threading.Thread(target=self._heartbeat, name=f"lease-{self.name}", daemon=True)
         self._thread.start()
@@ -83,7 +83,7 @@ class Lease:
             try:
                 if not self.driver.exists(self.key):
                     raise NotFoundError(f"lease {self.driver.describe(self.key)} was removed")
-                self.driver.put(self.key, self._doc())
+                self.driver.put_volatile(self.key, self._doc())
                 self.expires = start + self.ttl
             except Exception as exc:  # noqa: BLE001 - remembered, raised at commit
                 log.warning("lease of %s lost: %s", self.driver.describe(self.name), exc)

@@ -196,6 +196,11 @@ class Driver(ABC):
         """Write a small object in one step. With ``exclusive``, raise
         :class:`AlreadyExistsError` if ``key`` exists (atomically where the backend can)."""
 
+    def put_volatile(self, key: str, data: bytes) -> None:
+        """Like :meth:`put` (atomic replace), but need not be durable across a power cut
+        (no fsync): for leases, whose loss after a crash is harmless."""
+        self.put(key, data)
+
     @abstractmethod
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of ``key`` (the whole object by default)."""
@@ -309,10 +314,10 @@ def _walk_chain(exc: BaseException) -> Iterator[BaseException]:
         cur = cur.__cause__ or cur.__context__
 
 
+# Fallback when an error carries no HTTP status: names of throttling and server faults.
 _TRANSIENT_TEXT = re.compile(
     r"SlowDown|Throttl|TooManyRequests|RequestTimeout|InternalError|ServiceUnavailable|"
-    r"\b(429|500|502|503|504)\b|Connection reset|Server disconnected|ConnectionReset|"
-    r"reduce your request rate",
+    r"Connection reset|Server disconnected|ConnectionReset|reduce your request rate",
     re.IGNORECASE,
 )
 

@@ -80,6 +80,8 @@ def _ignore_vanished(func: Any, path: str, exc_info: Any) -> None:
 
 
 class _LocalWriter(Writer):
+    durable = True
+
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -94,7 +96,8 @@ class _LocalWriter(Writer):
         if self.fd < 0:
             return
         try:
-            os.fsync(self.fd)
+            if self.durable:
+                os.fsync(self.fd)
         finally:
             os.close(self.fd)
             self.fd = -1
@@ -170,11 +173,18 @@ class LocalDriver(Driver):
 
     def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         """Atomic small write: temp file, fsync, then ``link`` (exclusive) or ``replace``."""
+        self._put(key, data, exclusive=exclusive, durable=True)
+
+    def put_volatile(self, key: str, data: bytes) -> None:
+        self._put(key, data, exclusive=False, durable=False)
+
+    def _put(self, key: str, data: bytes, *, exclusive: bool, durable: bool) -> None:
         path = self.path(key)
         parent = os.path.dirname(path)
         self.makedirs(os.path.dirname(key))
         tmp = f"{parent}/.{os.path.basename(path)}.put-{os.getpid()}-{os.urandom(6).hex()}"
         w = self._os("put", key, _LocalWriter, tmp)
+        w.durable = durable
         try:
             w.write(data)
             w.close()
@@ -186,7 +196,8 @@ class LocalDriver(Driver):
         except BaseException:
             w.abort()
             raise
-        self.fsync_dir(os.path.dirname(key))
+        if durable:
+            self.fsync_dir(os.path.dirname(key))
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         def _read() -> bytes:
