@@ -218,21 +218,14 @@ class MarkerStrategy(CommitStrategy):
         if overwrite:
             return self._replace(name, attempt, writer, manifest)
         d = self.driver
-        try:
-            d.put(f"{self._prefix(name, attempt)}/{MANIFEST_FILE}", manifest)
-        except BaseException:
-            self.discard(name, attempt)
-            raise
+        self._put_manifest(name, attempt, manifest)
         marker = Marker.new(name, attempt, writer, manifest)
         try:
             d.put(f"{name}/{MARKER_FILE}", marker.to_bytes(), exclusive=True)  # commit point
         except AlreadyExistsError:
             # Either another writer won, or our own write was applied and only the reply
             # was lost (the retry was then refused): read it back to know which.
-            try:
-                current = self.read_marker(name)
-            except (NotFoundError, CorruptionError):
-                current = None
+            current = self._marker_or_none(name)
             if current is not None and current.attempt == attempt:
                 log.info("commit of %s: reply lost, marker is ours", d.describe(name))
                 return
@@ -253,19 +246,27 @@ class MarkerStrategy(CommitStrategy):
     def _replace(self, name: str, attempt: str, writer: str, manifest: bytes) -> None:
         """Overwrite: one unconditional PUT of the marker swaps the committed attempt."""
         d = self.driver
-        try:
-            old: Marker | None = self.read_marker(name)
-        except (NotFoundError, CorruptionError):
-            old = None
-        try:
-            d.put(f"{self._prefix(name, attempt)}/{MANIFEST_FILE}", manifest)
-        except BaseException:
-            self.discard(name, attempt)
-            raise
+        old = self._marker_or_none(name)
+        self._put_manifest(name, attempt, manifest)
         marker = Marker.new(name, attempt, writer, manifest)
         d.put(f"{name}/{MARKER_FILE}", marker.to_bytes())  # the commit point
         if old is not None and old.attempt != attempt:
             d.delete_tree(self._prefix(name, old.attempt))
+
+    def _put_manifest(self, name: str, attempt: str, manifest: bytes) -> None:
+        """Write the attempt's manifest; on failure the attempt is discarded (nothing
+        can name it yet)."""
+        try:
+            self.driver.put(f"{self._prefix(name, attempt)}/{MANIFEST_FILE}", manifest)
+        except BaseException:
+            self.discard(name, attempt)
+            raise
+
+    def _marker_or_none(self, name: str) -> Marker | None:
+        try:
+            return self.read_marker(name)
+        except (NotFoundError, CorruptionError):
+            return None
 
     def discard(self, name: str, attempt: str) -> None:
         try:

@@ -23,20 +23,20 @@ from ..errors import CorruptionError
 # -- headers -----------------------------------------------------------------------------
 
 
-def map_header(n: int) -> bytes:
+def _container_header(n: int, fix: int, tag16: bytes, tag32: bytes) -> bytes:
     if n < 16:
-        return bytes([0x80 | n])
+        return bytes([fix | n])
     if n < 2**16:
-        return b"\xde" + struct.pack(">H", n)
-    return b"\xdf" + struct.pack(">I", n)
+        return tag16 + struct.pack(">H", n)
+    return tag32 + struct.pack(">I", n)
+
+
+def map_header(n: int) -> bytes:
+    return _container_header(n, 0x80, b"\xde", b"\xdf")
 
 
 def array_header(n: int) -> bytes:
-    if n < 16:
-        return bytes([0x90 | n])
-    if n < 2**16:
-        return b"\xdc" + struct.pack(">H", n)
-    return b"\xdd" + struct.pack(">I", n)
+    return _container_header(n, 0x90, b"\xdc", b"\xdd")
 
 
 def bin_header(n: int) -> bytes:
