@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import secrets
@@ -235,8 +236,6 @@ class Store:
         if metadata is not None and not isinstance(metadata, dict):
             raise InvalidArgumentError("metadata must be a dict of JSON values")
         if metadata:
-            import json
-
             try:
                 json.dumps(metadata, allow_nan=False)
             except (TypeError, ValueError) as exc:

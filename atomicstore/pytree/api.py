@@ -39,7 +39,7 @@ from ..errors import (
     NotFoundError,
 )
 from . import msgpack_io as mp
-from .tree import Path, children, is_jax_array, path_str, rebuild
+from .tree import Path, children, is_jax_array, path_str, rebuild, walk_leaves
 
 log = logging.getLogger("atomicstore.pytree")
 
@@ -325,7 +325,7 @@ def save(
     if callable(progress):
         show = progress
     elif progress:
-        total = sum(getattr(leaf, "nbytes", 0) for _, leaf in _leaves(tree))
+        total = sum(getattr(leaf, "nbytes", 0) for _, leaf in walk_leaves(tree))
         show = _progress_printer(total)
     with st.transaction(name, metadata=metadata, overwrite=overwrite) as txn:
         with txn.open(STATE_FILE) as f:
@@ -340,12 +340,6 @@ def save(
         print(file=sys.stderr)
     manifest = st.manifest(name)
     return manifest
-
-
-def _leaves(tree: Any) -> list[tuple[Path, Any]]:
-    from .tree import walk_leaves
-
-    return list(walk_leaves(tree))
 
 
 # -- the index -------------------------------------------------------------------------------
@@ -881,7 +875,6 @@ def restore(
         return _build(idx, values, root)
 
     # with a target: its leaves name what to read
-    lookup: dict[Path, Leaf] = {}
     by_str = {tuple(str(k) for k in p): lf for p, lf in idx.leaves.items()}
     containers_str = {tuple(str(k) for k in p) for p in idx.containers}
     missing: list[str] = []
@@ -907,8 +900,6 @@ def restore(
         )
     leaves = [lf for lf in plan.values() if lf is not None]
     values = reader.read(leaves)
-    for lf in leaves:
-        lookup[lf.path] = lf
 
     def fill(path: Path, leaf: Any) -> Any:
         lf = plan.get(path)
@@ -928,4 +919,4 @@ def restore(
     return rebuild(target, fill)
 
 
-__all__ = ["AtomicStoreError", "restore", "save"]
+__all__ = ["restore", "save", "split_url"]
