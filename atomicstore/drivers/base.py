@@ -15,7 +15,7 @@ import concurrent.futures
 import logging
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar, TypeVar
@@ -364,6 +364,14 @@ class AsyncFsspecDriver(Driver):
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         return self.fs.loop
+
+    def connect(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        """Create the backend client now (loading service models, credentials), so that
+        this one-off cost is never charged to the timeout of the first request."""
+        try:
+            asyncio.run_coroutine_threadsafe(make(), self._loop()).result()
+        except Exception as exc:
+            raise self.wrap_error("connect", "", exc) from exc
 
     def submit(
         self, op: str, key: str, make: Callable[[], Awaitable[T]]

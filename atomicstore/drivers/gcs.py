@@ -93,6 +93,7 @@ class GCSDriver(AsyncFsspecDriver):
         super().__init__(fs, root, **kwargs)
         if self.block_size % CHUNK_MULTIPLE:
             raise InvalidArgumentError("GCS needs a block_size that is a multiple of 256 KiB")
+        self.connect(self.fs._set_session)
 
     @classmethod
     def make_filesystem(cls, protocol: str, storage_options: dict[str, Any]) -> Any:

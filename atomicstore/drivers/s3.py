@@ -111,6 +111,7 @@ class S3Driver(AsyncFsspecDriver):
         super().__init__(fs, root, **kwargs)
         if self.block_size < MIN_PART:
             raise InvalidArgumentError("S3 needs block_size >= 5 MiB (the minimum part size)")
+        self.connect(self.fs.set_session)
 
     @classmethod
     def make_filesystem(cls, protocol: str, storage_options: dict[str, Any]) -> Any:
