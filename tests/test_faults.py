@@ -84,7 +84,7 @@ def test_failing_marker_write_commits_nothing(object_backend):
 
 
 def test_stalled_data_upload_times_out_and_commits_nothing(object_backend):
-    timeout = 1.0
+    timeout = 2.0
     store = object_backend.open(operation_timeout=timeout)
     def big_upload(env: dict) -> bool:  # the data file, not the manifest or the marker
         return is_mutation(env) and int(env.get("CONTENT_LENGTH") or 0) > 4000
@@ -92,7 +92,7 @@ def test_stalled_data_upload_times_out_and_commits_nothing(object_backend):
     object_backend.faults(FaultPlan(stalls=[(big_upload, 6.0)]))
     txn = store.transaction("slow")
     t0 = time.monotonic()  # the stalled operation starts here
-    with pytest.raises(atomicstore.StorageTimeoutError, match="did not finish within 1.0s") as info:
+    with pytest.raises(atomicstore.StorageTimeoutError, match="did not finish within 2.0s") as info:
         txn.write_bytes("stall.bin", b"x" * 5000)
     elapsed = time.monotonic() - t0
     txn.abort()
@@ -103,9 +103,9 @@ def test_stalled_data_upload_times_out_and_commits_nothing(object_backend):
 
 
 def test_stalled_marker_times_out_in_time_and_store_stays_consistent(object_backend):
-    timeout = 1.0
+    timeout = 2.0
     store = object_backend.open(operation_timeout=timeout)
-    object_backend.faults(FaultPlan(stalls=[(is_conditional, 3.0)]))
+    object_backend.faults(FaultPlan(stalls=[(is_conditional, 5.0)]))
     txn = store.transaction("late")
     txn.write_bytes("a", b"data")
     t0 = time.monotonic()  # the commit's stalled marker write starts here
@@ -113,7 +113,7 @@ def test_stalled_marker_times_out_in_time_and_store_stays_consistent(object_back
         txn.commit()
     assert time.monotonic() - t0 < timeout + 1.5
     object_backend.faults(None)
-    time.sleep(3.0)  # the stalled request reaches the server after all
+    time.sleep(4.0)  # the stalled request reaches the server after all
     # the data was kept for exactly this case: the late marker must not point at nothing
     if store.list() == ["late"]:
         assert store.read_bytes("late", "a") == b"data"
