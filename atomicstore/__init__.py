@@ -38,6 +38,7 @@ from .errors import (
     TransactionError,
     UnknownProtocolError,
 )
+from .manager import CheckpointManager
 from .pytree import restore, save
 from .retry import RetryPolicy
 
@@ -49,6 +50,7 @@ __all__ = [
     "Capabilities",
     "CheckedReader",
     "Checkpoint",
+    "CheckpointManager",
     "ChecksumMismatchError",
     "CommitConflictError",
     "CorruptionError",

@@ -1,0 +1,336 @@
+"""CheckpointManager: step-numbered checkpoints in one directory or bucket prefix.
+
+Steps are discovered from storage (committed checkpoints only), never from a cache. Save
+semantics follow ``flax.training.checkpoints``: without ``overwrite`` a step that is not
+newer than every existing one is refused; with ``overwrite`` newer ones are removed and
+the same step replaced atomically. Retention keeps the newest ``keep`` (or the best
+``keep`` by ``best_fn``), one every ``keep_every_n_steps``, and every milestone; an
+ephemeral checkpoint is removed as soon as a newer non-ephemeral one commits. Retention
+runs only after the new checkpoint is committed.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .commit import Store, open_store
+from .commit.names import natural_key
+from .errors import AtomicStoreError, InvalidArgumentError, NotFoundError
+from .pytree.api import restore as _restore
+from .pytree.api import save as _save
+from .pytree.tree import is_jax_array, rebuild
+
+log = logging.getLogger("atomicstore.manager")
+Step = int | float
+
+WRITE_EVENT = "/jax/checkpoint/write/durations_sec"
+READ_EVENT = "/jax/checkpoint/read/durations_sec"
+
+
+def _record(event: str, seconds: float) -> None:
+    try:
+        import jax.monitoring
+    except ImportError:  # pragma: no cover - numpy-only installs
+        return
+    jax.monitoring.record_event_duration_secs(event, seconds)
+
+
+def _check_step(step: Any) -> Step:
+    if isinstance(step, bool) or not isinstance(step, int | float | np.integer | np.floating):
+        raise InvalidArgumentError(f"step must be an int or a float, not {type(step).__name__}")
+    step = step.item() if isinstance(step, np.generic) else step
+    if isinstance(step, float) and not np.isfinite(step):
+        raise InvalidArgumentError(f"step must be finite, got {step}")
+    return step
+
+
+class CheckpointManager:
+    """Save, restore and retain step-numbered checkpoints ``<prefix><step>``.
+
+    Args:
+        directory_or_url: local directory or URL (``s3://…``, ``gs://…``).
+        prefix: checkpoint names are ``f"{prefix}{step}"``.
+        keep: how many checkpoints retention keeps (the newest, or the best with
+            ``best_fn``).
+        keep_every_n_steps: also keep one checkpoint every this many steps.
+        best_fn: ``metrics -> float``; with it, the ``keep`` best are kept (ties and
+            checkpoints without metrics count as worst).
+        best_mode: ``"max"`` or ``"min"``.
+        overwrite: allow saving a step that is not newer than the latest (newer ones are
+            removed; the same step is replaced atomically).
+        async_save: write and commit in a background thread; ``save`` returns once the
+            state is snapshotted (jax arrays copied to host, numpy arrays copied unless
+            ``save(..., copy=False)`` promises not to mutate them).
+        max_pending: saves in flight at once (async); the next ``save`` waits.
+        storage_options: passed to fsspec.
+        recover: run recovery (grace period rule) when the directory is opened.
+    """
+
+    def __init__(
+        self,
+        directory_or_url: str,
+        *,
+        prefix: str = "checkpoint_",
+        keep: int = 1,
+        keep_every_n_steps: int | None = None,
+        best_fn: Callable[[dict[str, Any]], float] | None = None,
+        best_mode: str = "max",
+        overwrite: bool = False,
+        async_save: bool = False,
+        max_pending: int = 1,
+        storage_options: dict[str, Any] | None = None,
+        recover: bool = True,
+        store: Store | None = None,
+    ) -> None:
+        if not isinstance(prefix, str) or not prefix or "/" in prefix or ".." in prefix:
+            raise InvalidArgumentError("prefix must be a non-empty string without '/' or '..'")
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise InvalidArgumentError("keep must be an int >= 1")
+        if keep_every_n_steps is not None and (not isinstance(keep_every_n_steps, int) or keep_every_n_steps < 1):
+            raise InvalidArgumentError("keep_every_n_steps must be a positive int or None")
+        if best_mode not in ("max", "min"):
+            raise InvalidArgumentError("best_mode must be 'max' or 'min'")
+        if best_fn is not None and not callable(best_fn):
+            raise InvalidArgumentError("best_fn must be callable")
+        if not isinstance(max_pending, int) or max_pending < 1:
+            raise InvalidArgumentError("max_pending must be an int >= 1")
+        self.prefix, self.keep, self.keep_every_n_steps = prefix, keep, keep_every_n_steps
+        self.best_fn, self.best_mode, self.overwrite = best_fn, best_mode, overwrite
+        self.async_save = async_save
+        self.store = store or open_store(directory_or_url, **(storage_options or {}))
+        self._pending: list[threading.Thread] = []
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        if recover:
+            report = self.store.recover(flax_prefix=prefix)
+            if report.actions:
+                log.info("%s", report.summary())
+
+    # -- naming ------------------------------------------------------------------------
+    def _name(self, step: Step) -> str:
+        return f"{self.prefix}{step}"
+
+    def _step_of(self, name: str) -> Step | None:
+        if not name.startswith(self.prefix):
+            return None
+        rest = name[len(self.prefix):]
+        try:
+            return int(rest)
+        except ValueError:
+            try:
+                v = float(rest)
+            except ValueError:
+                return None
+            return v if np.isfinite(v) else None
+
+    def all_steps(self) -> list[Step]:
+        """Committed steps, in natural order (read from storage, never cached)."""
+        steps = [s for s in (self._step_of(n) for n in self.store.list()) if s is not None]
+        return sorted(steps, key=lambda s: natural_key(str(s)))
+
+    def latest_step(self) -> Step | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def metadata(self, step: Step) -> dict[str, Any]:
+        """The metadata saved with ``step``: ``user``, ``metrics``, ``started``,
+        ``version``, ``milestone``, ``ephemeral``, ``step``."""
+        return dict(self.store.manifest(self._name(_check_step(step))).metadata)
+
+    # -- saving ------------------------------------------------------------------------
+    def save(
+        self,
+        step: Step,
+        tree: Any,
+        *,
+        metadata: dict[str, Any] | None = None,
+        metrics: dict[str, Any] | None = None,
+        force: bool = False,
+        milestone: bool = False,
+        ephemeral: bool = False,
+        copy: bool = True,
+    ) -> None:
+        """Save ``tree`` as ``step``. Raises an earlier background save's error first."""
+        self._check_open()
+        self._raise_pending_error()
+        step = _check_step(step)
+        if milestone and ephemeral:
+            raise InvalidArgumentError("a checkpoint cannot be both a milestone and ephemeral")
+        for what, val in (("metadata", metadata), ("metrics", metrics)):
+            if val is not None and not isinstance(val, dict):
+                raise InvalidArgumentError(f"{what} must be a dict of JSON values")
+        steps = self.all_steps()
+        overwrite = self.overwrite or force
+        newer = [s for s in steps if s >= step]
+        if newer and not overwrite:
+            raise InvalidArgumentError(
+                f"step {step} is not newer than the latest checkpoint {steps[-1]} "
+                f"(pass overwrite=True to the manager, or force=True)"
+            )
+        meta = {"user": metadata or {}, "metrics": metrics or {}, "started": time.time(),
+                "version": _version(), "milestone": milestone, "ephemeral": ephemeral, "step": step}
+        if not self.async_save:
+            self._save_now(step, tree, meta, newer if overwrite else [])
+            return
+        snap = _snapshot(tree, copy)
+        self._slots.acquire()
+        self.wait_until_finished(_raise=False)  # saves are ordered
+        t = threading.Thread(target=self._background, args=(step, snap, meta, newer if overwrite else []),
+                             name=f"atomicstore-save-{step}", daemon=True)
+        with self._lock:
+            self._pending.append(t)
+        t.start()
+
+    def _background(self, step: Step, tree: Any, meta: dict, newer: list[Step]) -> None:
+        try:
+            self._save_now(step, tree, meta, newer)
+        except BaseException as exc:  # noqa: BLE001 - kept and raised on the next call
+            log.error("background save of step %s failed: %s", step, exc)
+            with self._lock:
+                self._error = self._error or exc
+        finally:
+            self._slots.release()
+
+    def _save_now(self, step: Step, tree: Any, meta: dict, newer: list[Step]) -> None:
+        t0 = time.monotonic()
+        for s in newer:
+            if s != step:
+                self.store.delete(self._name(s))  # flax: overwriting removes newer steps
+        _save(f"{self.store.url}/{self._name(step)}", tree, store=self.store, metadata=meta,
+              overwrite=step in newer)
+        dt = time.monotonic() - t0
+        _record(WRITE_EVENT, dt)
+        log.info("saved step %s in %.3fs", step, dt)
+        self._retain(step)
+
+    def _retain(self, new_step: Step) -> None:
+        """Apply retention after ``new_step`` committed."""
+        steps = self.all_steps()
+        metas = {s: self.metadata(s) for s in steps}
+        drop: set[Step] = set()
+        # ephemeral checkpoints go once a newer non-ephemeral one exists
+        for s in steps:
+            if metas[s].get("ephemeral") and s != new_step and not metas[new_step].get("ephemeral") and s < new_step:
+                drop.add(s)
+        candidates = [s for s in steps if s not in drop and not metas[s].get("milestone")
+                      and not metas[s].get("ephemeral")]
+        if self.best_fn is not None:
+            def score(s: Step) -> float:
+                try:
+                    v = float(self.best_fn(metas[s].get("metrics") or {}))  # type: ignore[misc]
+                except Exception:  # noqa: BLE001 - no usable metric: worst
+                    return -np.inf
+                return v if self.best_mode == "max" else -v
+            ranked = sorted(candidates, key=lambda s: (score(s), natural_key(str(s))), reverse=True)
+            keep = set(ranked[: self.keep])
+        else:
+            keep = set(candidates[-self.keep:])
+        last_kept = -np.inf  # flax's rule: of the older ones, keep one every n steps
+        for s in candidates:
+            if s in keep:
+                continue
+            if self.keep_every_n_steps and s - last_kept >= self.keep_every_n_steps:
+                last_kept = s
+                continue
+            drop.add(s)
+        for s in sorted(drop, key=lambda s: natural_key(str(s))):
+            try:
+                self.store.delete(self._name(s))
+            except NotFoundError:
+                pass
+
+    # -- restoring ---------------------------------------------------------------------
+    def restore(self, step: Step | None = None, target: Any = None, **kwargs: Any) -> Any:
+        """Restore ``step`` (the latest when None). Raises :class:`NotFoundError` when
+        there is no checkpoint."""
+        self._raise_pending_error()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise NotFoundError(f"no checkpoint with prefix {self.prefix!r} in {self.store.url}")
+        step = _check_step(step)
+        t0 = time.monotonic()
+        out = _restore(f"{self.store.url}/{self._name(step)}", target, store=self.store, **kwargs)
+        _record(READ_EVENT, time.monotonic() - t0)
+        return out
+
+    def delete(self, step: Step) -> None:
+        self.store.delete(self._name(_check_step(step)))
+
+    # -- async bookkeeping -----------------------------------------------------------------
+    def wait_until_finished(self, _raise: bool = True) -> None:
+        """Block until every background save finished; raise the first error of one."""
+        with self._lock:
+            pending = list(self._pending)
+        for t in pending:
+            t.join()
+        with self._lock:
+            self._pending = [t for t in self._pending if t.is_alive()]
+        if _raise:
+            self._raise_pending_error()
+
+    def _raise_pending_error(self) -> None:
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise AtomicStoreError(f"a background save failed: {err}") from err
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("the CheckpointManager is closed")
+
+    def close(self) -> None:
+        """Wait for background saves and raise any error they had."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait_until_finished()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, et: Any, *_: Any) -> None:
+        if et is None:
+            self.close()
+        else:  # do not mask the exception in flight
+            self._closed = True
+            self.wait_until_finished(_raise=False)
+
+
+def _snapshot(tree: Any, copy_numpy: bool) -> Any:
+    """A copy of ``tree`` that later mutation of the caller's arrays cannot change: jax
+    arrays are copied to host (all transfers started first), numpy arrays copied unless
+    the caller promised not to mutate them."""
+    started = []
+
+    def start(path: Any, leaf: Any) -> Any:
+        if is_jax_array(leaf) and getattr(leaf, "is_fully_addressable", True):
+            leaf.copy_to_host_async()
+            started.append(leaf)
+        return leaf
+
+    rebuild(tree, start)
+
+    def take(path: Any, leaf: Any) -> Any:
+        if is_jax_array(leaf) and getattr(leaf, "is_fully_addressable", True):
+            return np.asarray(leaf)
+        if isinstance(leaf, np.ndarray):
+            return leaf.copy() if copy_numpy else leaf
+        return copy.deepcopy(leaf) if isinstance(leaf, dict | list) else leaf
+
+    return rebuild(tree, take)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return f"atomicstore {__version__}"
