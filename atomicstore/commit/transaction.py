@@ -118,6 +118,8 @@ class Transaction:
         self._lock = threading.Lock()
         self._state = _State.OPEN
         self.started = time.time()
+        #: the committed manifest, once :meth:`commit` succeeded
+        self.manifest: Manifest | None = None
         self._lease = Lease(store.driver, name, attempt, store.writer_id, store.lease_ttl)
         # the conflict check comes first (cheap), then the lease, then any data
         store.strategy.begin(name, attempt, overwrite=overwrite)
@@ -192,6 +194,7 @@ class Transaction:
                 self._lease.stop()
                 raise
             self._state = _State.COMMITTED
+            self.manifest = manifest
             self._lease.release()
         log.info("committed %s (%d files, %d bytes)", self.store.driver.describe(self.name),
                  len(manifest.files), manifest.total_bytes)

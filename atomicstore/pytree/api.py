@@ -338,8 +338,8 @@ def save(
         txn.write_bytes(INDEX_FILE, msgpack.packb(doc, use_bin_type=True))
     if show and not callable(progress):
         print(file=sys.stderr)
-    manifest = st.manifest(name)
-    return manifest
+    assert txn.manifest is not None  # the with block committed
+    return txn.manifest
 
 
 # -- the index -------------------------------------------------------------------------------
