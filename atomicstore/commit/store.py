@@ -133,8 +133,8 @@ class Checkpoint:
                 f"read_into {self.where(path)}: need a writable buffer of {entry.size} bytes, "
                 f"got {'read-only ' if mv.readonly else ''}{mv.nbytes}"
             )
-        n = self.store.driver.read_into(self.key(path), 0, mv)
-        entry.check(path, n, crc32c(mv[:n]), where=self.where(path))
+        self.read_range_into(path, 0, mv)
+        entry.check(path, mv.nbytes, crc32c(mv), where=self.where(path))
         return out
 
     def read_range_into(self, path: str, start: int, out: Any) -> None:

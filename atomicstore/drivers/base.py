@@ -459,13 +459,7 @@ class AsyncFsspecDriver(Driver):
         }
 
     def delete(self, key: str) -> None:
-        async def rm() -> None:
-            try:
-                await self.fs._rm_file(self.path(key))
-            except FileNotFoundError:
-                pass
-
-        self.call("delete", key, rm)
+        self.call("delete", key, self._rm_one(key))
 
     def delete_tree(self, prefix: str) -> None:
         keys = sorted(self.find(prefix), reverse=True)
