@@ -2,6 +2,7 @@
 
 from .manifest import FileEntry, Manifest, Marker, crc32c
 from .names import natural_key, natural_sort, validate_name, validate_path
+from .onefile import OneFileCommit
 from .recovery import RecoveryAction, RecoveryReport
 from .store import CheckedReader, Checkpoint, Store, open_store
 from .strategies import CommitStrategy, MarkerStrategy, RenameStrategy, choose_strategy
@@ -14,6 +15,7 @@ __all__ = [
     "FileEntry",
     "Manifest",
     "MarkerStrategy",
+    "OneFileCommit",
     "Marker",
     "RecoveryAction",
     "RecoveryReport",

@@ -173,6 +173,8 @@ class Manifest:
     created: float
     files: dict[str, FileEntry]
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: when the manifest was sealed, right before the commit point (None in old manifests)
+    committed: float | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -185,6 +187,7 @@ class Manifest:
             "attempt": self.attempt,
             "writer": self.writer,
             "created": self.created,
+            **({"committed": self.committed} if self.committed is not None else {}),
             "files": {
                 p: {"size": e.size, "crc32c": f"{e.crc32c:08x}"} for p, e in sorted(self.files.items())
             },
@@ -218,6 +221,7 @@ class Manifest:
                 created=float(doc["created"]),
                 files=files,
                 metadata=meta,
+                committed=None if doc.get("committed") is None else float(doc["committed"]),
             )
         except (KeyError, TypeError, ValueError, InvalidArgumentError) as exc:
             raise CorruptionError(f"{where}: malformed manifest ({exc})", path=where) from exc

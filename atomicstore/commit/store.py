@@ -18,6 +18,7 @@ from ..retry import RetryPolicy
 from .lease import DEFAULT_LEASE_TTL
 from .manifest import Crc32cHasher, FileEntry, Manifest, crc32c
 from .names import natural_sort, validate_name, validate_path
+from .onefile import OneFileCommit
 from .recovery import DEFAULT_GRACE, RecoveryReport, recover
 from .strategies import CommitStrategy, choose_strategy, new_attempt_id
 from .transaction import Transaction
@@ -241,6 +242,11 @@ class Store:
             except (TypeError, ValueError) as exc:
                 raise InvalidArgumentError(f"metadata is not JSON-serialisable: {exc}") from None
         return Transaction(self, name, metadata=metadata, attempt=new_attempt_id(), overwrite=overwrite)
+
+    def one_file(self, name: str, *, overwrite: bool = False) -> OneFileCommit:
+        """Stream a checkpoint that is a single file ``name`` (flax's legacy layout) and
+        commit it atomically: see :class:`~atomicstore.commit.onefile.OneFileCommit`."""
+        return OneFileCommit(self, name, overwrite=overwrite)
 
     def write_file(self, path: str, data: bytes, *, overwrite: bool = True) -> None:
         """Write one small file at the store root atomically: readers see the old content

@@ -143,6 +143,24 @@ class Transaction:
         with self.open(path) as f:
             f.write(data)
 
+    @property
+    def prefix(self) -> str:
+        """Key prefix (below the store root) this attempt's files are staged under."""
+        return self._prefix
+
+    def adopt(self, path: str, size: int, crc32c: int) -> None:
+        """Count a file another process wrote (and made durable) directly at
+        ``<prefix>/<path>`` as part of this checkpoint. Its size and CRC32C go into the
+        manifest, so readers check it like any other file."""
+        validate_path(path)
+        if not isinstance(size, int) or size < 0 or not isinstance(crc32c, int) or not 0 <= crc32c < 2**32:
+            raise InvalidArgumentError(f"adopt {path!r}: bad size or CRC32C")
+        with self._lock:
+            self._check_open()
+            if path in self._files or path in self._open:
+                raise InvalidArgumentError(f"{path!r} is already written in this transaction")
+            self._files[path] = FileEntry(size, crc32c)
+
     def _file_done(self, path: str, entry: FileEntry) -> None:
         with self._lock:
             self._open.pop(path, None)
@@ -174,6 +192,7 @@ class Transaction:
                 created=self.started,
                 files=dict(self._files),
                 metadata=self.metadata,
+                committed=time.time(),
             )
             data = manifest.to_bytes()
             try:

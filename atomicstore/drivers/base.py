@@ -188,8 +188,11 @@ class Driver(ABC):
 
     # -- primitives ---------------------------------------------------------------------
     @abstractmethod
-    def open_writer(self, key: str) -> Writer:
-        """Start a streamed write of ``key`` (overwrite; nothing visible before close)."""
+    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
+        """Start a streamed write of ``key`` (nothing visible before close). With
+        ``exclusive``, ``close`` raises :class:`AlreadyExistsError` if ``key`` exists by
+        then (atomically where the backend can; rename-based backends stage and rename
+        instead, see :mod:`atomicstore.commit.onefile`)."""
 
     @abstractmethod
     def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
@@ -487,9 +490,10 @@ class BufferedPartWriter(Writer):
 
     max_in_flight = 4
 
-    def __init__(self, driver: AsyncFsspecDriver, key: str) -> None:
+    def __init__(self, driver: AsyncFsspecDriver, key: str, exclusive: bool = False) -> None:
         self.driver = driver
         self.key = key
+        self.exclusive = exclusive
         self.buf = bytearray()
         self.offset = 0  # bytes handed to the backend so far
         self.started = False
@@ -526,7 +530,13 @@ class BufferedPartWriter(Writer):
         if self.closed:
             return
         if not self.started:
-            self.driver.put(self.key, bytes(self.buf))
+            data = bytes(self.buf)
+            try:
+                self.driver.put(self.key, data, exclusive=self.exclusive)
+            except AlreadyExistsError:
+                # a retried put whose first try landed answers 412: ours if the bytes match
+                if not self.exclusive or self.driver.read(self.key) != data:
+                    raise
             self.buf = bytearray()
         else:
             self._flush_part(final=True)

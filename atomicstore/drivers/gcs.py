@@ -44,14 +44,16 @@ class _GCSWriter(BufferedPartWriter):
     driver: GCSDriver
     max_in_flight = 1
 
-    def __init__(self, driver: GCSDriver, key: str) -> None:
-        super().__init__(driver, key)
+    def __init__(self, driver: GCSDriver, key: str, exclusive: bool = False) -> None:
+        super().__init__(driver, key, exclusive)
         self.location = ""
 
     def _start(self) -> None:
         bucket, obj = self.driver.split(self.key)
         self.location = self.driver.call(
-            "start upload", self.key, lambda: gcsfs.core.initiate_upload(self.driver.fs, bucket, obj)
+            "start upload", self.key, lambda: gcsfs.core.initiate_upload(
+                self.driver.fs, bucket, obj, mode="create" if self.exclusive else "overwrite"
+            ),
         )
 
     def _upload_part(self, data: bytearray, offset: int, final: bool) -> concurrent.futures.Future[Any]:
@@ -117,8 +119,8 @@ class GCSDriver(AsyncFsspecDriver):
         except ValueError:
             return None
 
-    def open_writer(self, key: str) -> Writer:
-        return _GCSWriter(self, key)
+    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
+        return _GCSWriter(self, key, exclusive)
 
     def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         mode = "create" if exclusive else "overwrite"

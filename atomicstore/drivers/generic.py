@@ -69,7 +69,9 @@ class GenericDriver(Driver):
         except Exception as exc:
             raise self.wrap_error(op, key, exc) from exc
 
-    def open_writer(self, key: str) -> Writer:
+    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
+        if exclusive and self.exists(key):  # not atomic: see the module docstring
+            raise AlreadyExistsError(f"open: already exists: {self.describe(key)}")
         return self._run("open", key, _GenericWriter, self, key)
 
     def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:

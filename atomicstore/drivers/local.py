@@ -8,6 +8,7 @@ fsynced: files are fsynced on close, directories through :meth:`fsync_dir`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -112,6 +113,34 @@ class _LocalWriter(Writer):
             pass
 
 
+class _ExclusiveLocalWriter(Writer):
+    """Streams into a hidden sibling; ``close`` fsyncs and links it to the name, which
+    fails if the name exists."""
+
+    def __init__(self, driver: LocalDriver, key: str) -> None:
+        self.driver, self.key = driver, key
+        path = driver.path(key)
+        self.tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.put-{os.getpid()}-{os.urandom(6).hex()}"
+        self.w = driver._os("open", key, _LocalWriter, self.tmp)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.w.write(data)
+
+    def close(self) -> None:
+        if self.w.fd < 0:
+            return
+        try:
+            self.w.close()
+            self.driver._os("put", self.key, os.link, self.tmp, self.driver.path(self.key))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.tmp)
+        self.driver.fsync_dir(os.path.dirname(self.key))
+
+    def abort(self) -> None:
+        self.w.abort()
+
+
 class LocalDriver(Driver):
     """Local disk. Commit strategy: stage, fsync, rename, fsync parent."""
 
@@ -166,9 +195,11 @@ class LocalDriver(Driver):
                 raise AlreadyExistsError(f"{op}: already exists: {self.describe(key)}") from exc
             raise StorageError(f"{op} {self.describe(key)} failed: {exc.strerror or exc}") from exc
 
-    def open_writer(self, key: str) -> Writer:
+    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
         path = self.path(key)
         self.makedirs(os.path.dirname(key))
+        if exclusive:
+            return _ExclusiveLocalWriter(self, key)
         return self._os("open", key, _LocalWriter, path)
 
     def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:

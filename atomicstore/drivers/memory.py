@@ -18,15 +18,15 @@ _LOCK = threading.RLock()
 
 
 class _MemoryWriter(Writer):
-    def __init__(self, driver: MemoryDriver, key: str) -> None:
-        self.driver, self.key, self.buf = driver, key, io.BytesIO()
+    def __init__(self, driver: MemoryDriver, key: str, exclusive: bool) -> None:
+        self.driver, self.key, self.buf, self.exclusive = driver, key, io.BytesIO(), exclusive
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.buf.write(data)
 
     def close(self) -> None:
         if self.buf is not None:
-            self.driver.put(self.key, self.buf.getvalue())
+            self.driver.put(self.key, self.buf.getvalue(), exclusive=self.exclusive)
             self.buf = None  # type: ignore[assignment]
 
     def abort(self) -> None:
@@ -54,8 +54,8 @@ class MemoryDriver(Driver):
         base = self.path(prefix).rstrip("/") + "/"
         return [k for k in self._store() if k.startswith(base)]
 
-    def open_writer(self, key: str) -> Writer:
-        return _MemoryWriter(self, key)
+    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
+        return _MemoryWriter(self, key, exclusive)
 
     def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         with _LOCK:
@@ -112,30 +112,34 @@ class MemoryDriver(Driver):
                 del self._store()[k]
             self._store().pop(self.path(prefix), None)
 
+    def _take(self, key: str) -> dict[str, Any]:
+        """Remove and return ``key`` (a file, as {"": f}, or a directory's files by
+        relative name)."""
+        store = self._store()
+        if self.path(key) in store:
+            return {"": store.pop(self.path(key))}
+        base = self.path(key).rstrip("/") + "/"
+        return {k[len(base):]: store.pop(k) for k in self._children(key)}
+
+    def _place(self, key: str, files: dict[str, Any]) -> None:
+        for rel, f in files.items():
+            self._store()[self.path(key) + (f"/{rel}" if rel else "")] = f
+
     def rename(self, src: str, dst: str) -> None:
         with _LOCK:
-            store = self._store()
-            if self.path(dst) in store or self._children(dst):
+            if self.path(dst) in self._store() or self._children(dst):
                 raise AlreadyExistsError(f"rename: already exists: {self.describe(dst)}")
-            old = self.path(src).rstrip("/") + "/"
-            new = self.path(dst).rstrip("/") + "/"
-            moving = self._children(src)
+            moving = self._take(src)
             if not moving:
                 raise NotFoundError(f"rename: not found: {self.describe(src)}")
-            for k in moving:
-                store[new + k[len(old):]] = store.pop(k)
+            self._place(dst, moving)
 
     def exchange(self, a: str, b: str) -> None:
         with _LOCK:
-            store = self._store()
-            pa = self.path(a).rstrip("/") + "/"
-            pb = self.path(b).rstrip("/") + "/"
-            ka, kb = self._children(a), self._children(b)
-            if not ka or not kb:
-                raise NotFoundError(f"exchange: not found: {self.describe(a if not ka else b)}")
-            va = {k[len(pa):]: store.pop(k) for k in ka}
-            vb = {k[len(pb):]: store.pop(k) for k in kb}
-            for rel, f in va.items():
-                store[pb + rel] = f
-            for rel, f in vb.items():
-                store[pa + rel] = f
+            va, vb = self._take(a), self._take(b)
+            if not va or not vb:
+                self._place(a, va)
+                self._place(b, vb)
+                raise NotFoundError(f"exchange: not found: {self.describe(a if not va else b)}")
+            self._place(b, va)
+            self._place(a, vb)

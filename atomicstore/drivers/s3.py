@@ -32,8 +32,8 @@ PART_CHECKSUM = "CRC32"
 class _S3Writer(BufferedPartWriter):
     driver: S3Driver
 
-    def __init__(self, driver: S3Driver, key: str) -> None:
-        super().__init__(driver, key)
+    def __init__(self, driver: S3Driver, key: str, exclusive: bool = False) -> None:
+        super().__init__(driver, key, exclusive)
         self.bucket, self.obj = driver.split(key)
         self.upload_id = ""
         self.parts: dict[int, tuple[str, str | None]] = {}
@@ -82,6 +82,8 @@ class _S3Writer(BufferedPartWriter):
                 Key=self.obj,
                 UploadId=self.upload_id,
                 MultipartUpload={"Parts": parts},
+                # completing the same upload again succeeds, so a retry is safe
+                **({"IfNoneMatch": "*"} if self.exclusive else {}),
             ),
         )
 
@@ -130,8 +132,8 @@ class S3Driver(AsyncFsspecDriver):
     async def s3call(self, method: str, **kwargs: Any) -> Any:
         return await self.fs._call_s3(method, **kwargs)
 
-    def open_writer(self, key: str) -> Writer:
-        return _S3Writer(self, key)
+    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
+        return _S3Writer(self, key, exclusive)
 
     def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         bucket, obj = self.split(key)
