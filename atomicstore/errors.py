@@ -50,6 +50,11 @@ class TransactionError(AtomicStoreError, RuntimeError):
     """A transaction was used in a way its state does not allow (e.g. write after commit)."""
 
 
+class CoordinationError(AtomicStoreError, RuntimeError):
+    """A multi-process save or restore could not agree: another process failed, died or
+    did not answer within the timeout. Nothing was committed."""
+
+
 class StorageError(AtomicStoreError, OSError):
     """A storage operation failed (after the retry policy gave up, if it was transient)."""
 

@@ -12,6 +12,7 @@ runs only after the new checkpoint is committed.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import threading
 import time
@@ -142,9 +143,11 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def metadata(self, step: Step) -> dict[str, Any]:
-        """The metadata saved with ``step``: ``user``, ``metrics``, ``started``,
-        ``version``, ``milestone``, ``ephemeral``, ``step``."""
-        return dict(self.store.manifest(self._name(_check_step(step))).metadata)
+        """The metadata saved with ``step``: ``user``, ``metrics``, ``items``,
+        ``started`` and ``committed`` (Unix times), ``version``, ``milestone``,
+        ``ephemeral``, ``step``."""
+        man = self.store.manifest(self._name(_check_step(step)))
+        return {**man.metadata, "committed": man.committed}
 
     # -- saving ------------------------------------------------------------------------
     def save(
@@ -158,16 +161,25 @@ class CheckpointManager:
         milestone: bool = False,
         ephemeral: bool = False,
         copy: bool = True,
+        items: dict[str, Any] | None = None,
     ) -> None:
-        """Save ``tree`` as ``step``. Raises an earlier background save's error first."""
+        """Save ``tree`` as ``step``, with optional named JSON ``items`` (e.g. a data
+        iterator's position or a config) committed together with it. Raises an earlier
+        background save's error first."""
         self._check_open()
         self._raise_pending_error()
         step = _check_step(step)
         if milestone and ephemeral:
             raise InvalidArgumentError("a checkpoint cannot be both a milestone and ephemeral")
-        for what, val in (("metadata", metadata), ("metrics", metrics)):
+        for what, val in (("metadata", metadata), ("metrics", metrics), ("items", items)):
             if val is not None and not isinstance(val, dict):
                 raise InvalidArgumentError(f"{what} must be a dict of JSON values")
+            try:
+                json.dumps(val, allow_nan=what == "metrics")
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgumentError(f"{what} must hold JSON values only (nothing executable is stored): {exc}") from None
+        if items is not None and not all(isinstance(k, str) and k for k in items):
+            raise InvalidArgumentError("items must be named by non-empty strings")
         steps = self.all_steps()
         overwrite = self.overwrite or force
         newer = [s for s in steps if s >= step]
@@ -177,7 +189,8 @@ class CheckpointManager:
                 f"(pass overwrite=True to the manager, or force=True)"
             )
         meta = {"user": metadata or {}, "metrics": metrics or {}, "started": time.time(),
-                "version": _version(), "milestone": milestone, "ephemeral": ephemeral, "step": step}
+                "version": _version(), "milestone": milestone, "ephemeral": ephemeral, "step": step,
+                "items": json.loads(json.dumps(items or {}))}
         if not self.async_save:
             self._save_now(step, tree, meta, newer if overwrite else [])
             return
@@ -249,9 +262,11 @@ class CheckpointManager:
                 pass
 
     # -- restoring ---------------------------------------------------------------------
-    def restore(self, step: Step | None = None, target: Any = None, **kwargs: Any) -> Any:
-        """Restore ``step`` (the latest when None). Raises :class:`NotFoundError` when
-        there is no checkpoint."""
+    def restore(self, step: Step | None = None, target: Any = None, *, with_items: bool = False,
+                **kwargs: Any) -> Any:
+        """Restore ``step`` (the latest when None); with ``with_items``, return
+        ``(tree, items)``. Other arguments as for :func:`atomicstore.restore`. Raises
+        :class:`NotFoundError` when there is no checkpoint."""
         self._raise_pending_error()
         if step is None:
             step = self.latest_step()
@@ -261,7 +276,11 @@ class CheckpointManager:
         t0 = time.monotonic()
         out = _restore(f"{self.store.url}/{self._name(step)}", target, store=self.store, **kwargs)
         _record(READ_EVENT, time.monotonic() - t0)
-        return out
+        return (out, self.items(step)) if with_items else out
+
+    def items(self, step: Step) -> dict[str, Any]:
+        """The named JSON items saved with ``step``."""
+        return dict(self.metadata(step).get("items") or {})
 
     def delete(self, step: Step) -> None:
         self.store.delete(self._name(_check_step(step)))

@@ -239,11 +239,98 @@ def case_atomicstore_s3_save(work: str, data: list[np.ndarray]) -> Callable[[], 
     return run
 
 
+# -- async saving: how long the caller is blocked --------------------------------------------
+def case_memcpy_async(work: str, data: list[np.ndarray]) -> Callable[[], None]:
+    """The anchor: one copy of the state (what a snapshot must at least cost)."""
+    return lambda: [a.copy() for a in data] and None
+
+
+def case_atomicstore_async(work: str, data: list[np.ndarray]) -> Callable[[], dict]:
+    """Time until CheckpointManager(async_save=True).save returns; total until committed."""
+    from atomicstore import CheckpointManager
+
+    mgr = CheckpointManager(os.path.join(work, "async"), async_save=True)
+
+    def run() -> dict:
+        t0 = time.perf_counter()
+        mgr.save(1, _tree(data))
+        blocked = time.perf_counter() - t0
+        mgr.wait_until_finished()
+        return {"time": blocked, "total": time.perf_counter() - t0}
+
+    return run
+
+
+def _jax_tree(data: list[np.ndarray]) -> dict:
+    import jax
+
+    tree = {f"layer_{i:03d}": jax.device_put(a) for i, a in enumerate(data)}
+    jax.block_until_ready(tree)
+    return tree
+
+
+def case_d2h_async(work: str, data: list[np.ndarray]) -> Callable[[], None]:
+    """The anchor for jax arrays: the device-to-host copy of every leaf."""
+    import jax
+
+    tree = _jax_tree(data)
+    return lambda: [np.array(x) for x in jax.tree_util.tree_leaves(tree)] and None
+
+
+def case_atomicstore_jax_async(work: str, data: list[np.ndarray]) -> Callable[[], dict]:
+    from atomicstore import CheckpointManager
+
+    tree = _jax_tree(data)
+    data.clear()  # only the device copies remain
+    mgr = CheckpointManager(os.path.join(work, "async"), async_save=True)
+
+    def run() -> dict:
+        t0 = time.perf_counter()
+        mgr.save(1, tree)
+        blocked = time.perf_counter() - t0
+        mgr.wait_until_finished()
+        return {"time": blocked, "total": time.perf_counter() - t0}
+
+    return run
+
+
 LIBS = ["raw", "atomicstore", "flax", "orbax", "safetensors"]
 SMALL_LIBS = ["flax", "atomicstore", "orbax", "safetensors"]  # raw: 10,000 fsynced files is no anchor
 CASES = {f"{lib}_{op}": globals()[f"case_{lib}_{op}"] for lib in LIBS for op in ("save", "restore")}
 CASES["boto3_s3_save"] = case_boto3_s3_save
 CASES["atomicstore_s3_save"] = case_atomicstore_s3_save
+for _c in ("memcpy_async", "atomicstore_async", "d2h_async", "atomicstore_jax_async"):
+    CASES[_c] = globals()[f"case_{_c}"]
+
+
+def measure_multiprocess(total: int, nproc: int, repeat: int) -> dict[str, float]:
+    """Save + restore of ``total`` bytes sharded over ``nproc`` processes (1: one numpy
+    array through save_checkpoint); process 0's times, median of ``repeat``; and the
+    bytes that ended on storage."""
+    import socket
+
+    child_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_child.py")
+    saves, restores, stored = [], [], 0
+    for _ in range(repeat):
+        work = tempfile.mkdtemp(prefix="asbench-mp-", dir=os.environ.get("BENCH_DIR"))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        outs = [os.path.join(work, f"out{i}.json") for i in range(nproc)]
+        procs = [subprocess.Popen([sys.executable, child_py, str(port), str(nproc), str(i),
+                                   os.path.join(work, "ckpt"), str(total), outs[i]]) for i in range(nproc)]
+        for p in procs:
+            if p.wait(timeout=900) != 0:
+                raise RuntimeError("multi-process benchmark child failed")
+        res = json.load(open(outs[0]))
+        saves.append(res["save"])
+        restores.append(res["restore"])
+        ckpt = os.path.join(work, "ckpt")
+        # the array's bytes as stored: shard files of the _gda checkpoint, or the one flax file
+        stored = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(ckpt)
+                     for f in fs if f.endswith(".bin")) or os.path.getsize(os.path.join(ckpt, "checkpoint_1"))
+        shutil.rmtree(work, ignore_errors=True)
+    return {"save": statistics.median(saves), "restore": statistics.median(restores), "stored": stored}
 
 
 def child(case: str, total: int, leaf: int) -> None:
@@ -253,16 +340,16 @@ def child(case: str, total: int, leaf: int) -> None:
         run = CASES[case](work, data)
         before = rss()
         t0 = time.perf_counter()
-        run()
+        more = run()
         elapsed = time.perf_counter() - t0
         extra = max(0, peak_rss() - before)
-        print(json.dumps({"time": elapsed, "extra": extra}))
+        print(json.dumps({"time": elapsed, "extra": extra} | (more if isinstance(more, dict) else {})))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def measure(case: str, total: int, repeat: int, leaf: int = ARRAY_BYTES) -> dict[str, float]:
-    times, extras = [], []
+    times, extras, totals = [], [], []
     for _ in range(repeat):
         out = subprocess.run(
             [sys.executable, __file__, "--child", case, "--bytes", str(total), "--leaf", str(leaf)],
@@ -273,7 +360,8 @@ def measure(case: str, total: int, repeat: int, leaf: int = ARRAY_BYTES) -> dict
         res = json.loads(out.stdout.strip().splitlines()[-1])
         times.append(res["time"])
         extras.append(res["extra"])
-    return {"time": statistics.median(times), "extra": statistics.median(extras)}
+        totals.append(res.get("total", res["time"]))
+    return {"time": statistics.median(times), "extra": statistics.median(extras), "total": statistics.median(totals)}
 
 
 def main() -> None:
@@ -299,6 +387,10 @@ def main() -> None:
                        ["raw", "atomicstore"]))
     groups.append((f"save to S3 fake (moto), {min(total, 256 * MiB) // MiB} MiB", min(total, 256 * MiB),
                    ARRAY_BYTES, "s3_save", ["boto3", "atomicstore"]))
+    groups.append((f"async save, numpy, {total // MiB} MiB: caller blocked", total, ARRAY_BYTES, "async",
+                   ["memcpy", "atomicstore"]))
+    groups.append((f"async save, jax, {total // MiB} MiB: caller blocked", total, ARRAY_BYTES, "async",
+                   ["d2h", "atomicstore_jax"]))
     rows = []
     for title, size, leaf, op, libs in groups:
         base = None
@@ -313,7 +405,17 @@ def main() -> None:
     print("| benchmark | library | time (s) | x anchor | extra peak RSS (MiB) |")
     print("|---|---|---:|---:|---:|")
     for title, lib, r, ratio in rows:
-        print(f"| {title} | {lib} | {r['time']:.3f} | {ratio:.2f} | {r['extra'] / MiB:.0f} |")
+        total_s = f" (committed after {r['total']:.3f} s)" if "async" in title and r["total"] != r["time"] else ""
+        print(f"| {title} | {lib}{total_s} | {r['time']:.3f} | {ratio:.2f} | {r['extra'] / MiB:.0f} |")
+    one = measure_multiprocess(total, 1, args.repeat)
+    two = measure_multiprocess(total, 2, args.repeat)
+    print(f"\nmulti-process, {total // MiB} MiB float32 (median of {args.repeat}; process 0's time; "
+          "2 processes x 1 CPU device, each holding half)\n")
+    print("| case | save (s) | restore (s) | x one process (save / restore) | bytes on storage |")
+    print("|---|---:|---:|---:|---:|")
+    for label, r in (("one process, save_checkpoint", one), ("two processes, save_checkpoint_multiprocess", two)):
+        print(f"| {label} | {r['save']:.3f} | {r['restore']:.3f} | {r['save'] / one['save']:.2f} / "
+              f"{r['restore'] / one['restore']:.2f} | {r['stored']:,} |")
 
 
 if __name__ == "__main__":

@@ -91,8 +91,8 @@ class CrashingDriver(Driver):
         self.crasher.read()
         return self.inner
 
-    def open_writer(self, key: str) -> Writer:
-        return _CrashingWriter(self._m("open", key).open_writer(key), self.crasher, key)
+    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
+        return _CrashingWriter(self._m("open", key).open_writer(key, exclusive=exclusive), self.crasher, key)
 
     def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         self._m("put", key).put(key, data, exclusive=exclusive)
@@ -281,7 +281,8 @@ class PosixModelDriver(Driver):
                 raise AlreadyExistsError(f"not a directory: {key}")
             node = nxt
 
-    def open_writer(self, key: str) -> Writer:
+    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
+        assert not exclusive, "the model is a rename backend: exclusive files are staged and renamed"
         self.makedirs(posixpath.dirname(key))
         parent, name = self._parent(key)
         self.crasher.step("creat", key)

@@ -88,6 +88,7 @@ class _Emitter:
 class _SaveOptions:
     cast_dtype: Any
     gather: Callable[[Path, Any], Any] | None
+    sort_keys: bool = True
 
 
 def _as_fn(fns: Any, what: str) -> Callable[[Path, Any], Any] | None:
@@ -174,7 +175,7 @@ def _check_array(path: Path, arr: np.ndarray) -> None:
 def _write_node(em: _Emitter, node: Any, path: Path, index: list, opts: _SaveOptions, depth: int) -> None:
     if depth > mp.MAX_DEPTH:
         raise InvalidArgumentError(f"tree deeper than {mp.MAX_DEPTH} levels at {path_str(path)}")
-    kids = children(node)
+    kids = children(node, opts.sort_keys)
     if kids is not None and kids[0] != "none":
         kind, items = kids
         keys = set()
@@ -313,33 +314,54 @@ def save(
         **storage_options: passed to :func:`open_store`.
     """
     root, name = split_url(url_or_path)
-    if cast_dtype is not None:
-        try:
-            cast_dtype = np.dtype(cast_dtype)
-        except TypeError as exc:
-            raise InvalidArgumentError(f"cast_dtype: {exc}") from None
-    opts = _SaveOptions(cast_dtype, _as_fn(gather_fns, "gather_fns"))
+    writer = StateWriter(tree, cast_dtype=cast_dtype, gather_fns=gather_fns, progress=progress)
     st = store or open_store(root, **storage_options)
-    index: list = []
-    show: Callable[[int], None] | None = None
-    if callable(progress):
-        show = progress
-    elif progress:
-        total = sum(getattr(leaf, "nbytes", 0) for _, leaf in walk_leaves(tree))
-        show = _progress_printer(total)
     with st.transaction(name, metadata=metadata, overwrite=overwrite) as txn:
         with txn.open(STATE_FILE) as f:
-            em = _Emitter(f, show)
-            _write_node(em, tree, (), index, opts, 0)
-            em.flush()
-            state_size = em.offset
-        str_keys = all(type(k) is str for node in index for k in node[1])
-        doc = {"format": INDEX_FORMAT, "state_size": state_size, "str_keys": str_keys, "nodes": index}
+            state_size = writer.write(f)
+        str_keys = all(type(k) is str for node in writer.index for k in node[1])
+        doc = {"format": INDEX_FORMAT, "state_size": state_size, "str_keys": str_keys, "nodes": writer.index}
         txn.write_bytes(INDEX_FILE, msgpack.packb(doc, use_bin_type=True))
-    if show and not callable(progress):
-        print(file=sys.stderr)
+    writer.done()
     assert txn.manifest is not None  # the with block committed
     return txn.manifest
+
+
+class StateWriter:
+    """Streams ``tree`` in flax's msgpack format into a file-like object with
+    ``write(data, crc32c=None)``, recording the index as it goes. Arguments as for
+    :func:`save`; validated here, before anything is written. ``sort_keys=False`` keeps
+    dicts in insertion order, byte-identical to flax's ``to_bytes``/``save_checkpoint``
+    (the default matches ``msgpack_serialize``, which sorts them like jax)."""
+
+    def __init__(self, tree: Any, *, cast_dtype: Any = None, gather_fns: Any = None,
+                 progress: bool | Callable[[int], None] = False, sort_keys: bool = True) -> None:
+        if cast_dtype is not None:
+            try:
+                cast_dtype = np.dtype(cast_dtype)
+            except TypeError as exc:
+                raise InvalidArgumentError(f"cast_dtype: {exc}") from None
+        self.tree = tree
+        self.opts = _SaveOptions(cast_dtype, _as_fn(gather_fns, "gather_fns"), sort_keys)
+        self.index: list = []
+        self.show: Callable[[int], None] | None = None
+        self._printer = False
+        if callable(progress):
+            self.show = progress
+        elif progress:
+            total = sum(getattr(leaf, "nbytes", 0) for _, leaf in walk_leaves(tree))
+            self.show, self._printer = _progress_printer(total), True
+
+    def write(self, f: Any) -> int:
+        """Write the state; return its size in bytes."""
+        em = _Emitter(f, self.show)
+        _write_node(em, self.tree, (), self.index, self.opts, 0)
+        em.flush()
+        return em.offset
+
+    def done(self) -> None:
+        if self._printer and sys.stderr.isatty():
+            print(file=sys.stderr)
 
 
 # -- the index -------------------------------------------------------------------------------
@@ -919,4 +941,4 @@ def restore(
     return rebuild(target, fill)
 
 
-__all__ = ["restore", "save", "split_url"]
+__all__ = ["StateWriter", "restore", "save", "split_url"]

@@ -49,16 +49,21 @@ def _key_of(k: Any) -> Key:
     return str(k)
 
 
-def children(node: Any) -> tuple[str, list[tuple[Key, Any]]] | None:
-    """(container kind, [(key, child)]) of a container, or None for a leaf."""
+def children(node: Any, sort_keys: bool = True) -> tuple[str, list[tuple[Key, Any]]] | None:
+    """(container kind, [(key, child)]) of a container, or None for a leaf.
+
+    ``sort_keys``: plain dicts in key order, as jax flattens them (and so as flax's
+    ``msgpack_serialize`` writes them); otherwise in insertion order, as flax's
+    ``to_bytes`` and ``save_checkpoint`` write them."""
     if node is None:
         return "none", []
     if type(node) is dict:
         items = list(node.items())
-        try:  # jax (and so flax's msgpack_serialize) orders dict keys
-            items.sort(key=lambda kv: kv[0])
-        except TypeError:
-            pass
+        if sort_keys:
+            try:
+                items.sort(key=lambda kv: kv[0])
+            except TypeError:
+                pass
         return "dict", items
     if isinstance(node, OrderedDict):
         return "dict", list(node.items())

@@ -1,0 +1,438 @@
+"""A drop-in replacement for ``flax.training.checkpoints`` (the legacy API).
+
+Switch with one import::
+
+    from atomicstore.compat import flax as checkpoints   # was: from flax.training import checkpoints
+
+Same names, signatures and on-disk layout (one msgpack file ``<dir>/<prefix><step>`` per
+step, readable by flax and written byte-for-byte as flax writes it), same rules for
+``keep``, ``keep_every_n_steps``, ``overwrite`` and float steps. What is safer: the file
+is streamed (no bytes object of the whole state), committed atomically through the
+driver (staged and fsynced then ``rename(NOREPLACE)`` on POSIX; a conditional upload on
+S3 and GCS, where flax copies and deletes), two writers of one step cannot both commit,
+and leftovers of a crash are removed by recovery. ``gs://`` and ``s3://`` URLs work
+unchanged; every function also takes ``storage_options=`` for fsspec.
+
+Not supported: ``orbax_checkpointer`` / Orbax checkpoints (use Orbax) and
+``gda_manager`` (arrays sharded across processes are handled by
+:mod:`atomicstore.multiprocess` without one).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ..commit import Store, open_store
+from ..errors import InvalidArgumentError, NotFoundError
+from ..manager import READ_EVENT, WRITE_EVENT, _check_step, _record, _snapshot
+from ..pytree.api import StateWriter
+from ..pytree.api import restore as _restore
+
+log = logging.getLogger("atomicstore.compat.flax")
+
+SIGNED_FLOAT_RE = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)")
+UNSIGNED_FLOAT_RE = re.compile(r"[-+]?((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)")  # sign is a separator
+MODULE_NUM_RE = re.compile(r"(.*)_\d+$")
+SCHEME_RE = re.compile("^(?P<scheme>[a-z][a-z0-9.+-]+://)?(?P<path>.*)", re.I)
+MP_ARRAY_POSTFIX = "_gda"
+MP_ARRAY_PH = "//GDAPlaceholder:"
+COMMIT_SUCCESS_FILE = "commit_success.txt"
+ORBAX_FILES = {"checkpoint", "_METADATA", "manifest.ocdbt"}
+
+PyTree = Any
+
+
+class InvalidCheckpointError(InvalidArgumentError):
+    """A checkpoint cannot be stored where a checkpoint at the same or a later step
+    exists (pass ``overwrite=True``). Same message as flax's error of that name."""
+
+    def __init__(self, path: str, step: Any) -> None:
+        super().__init__(f'Trying to save an outdated checkpoint at step: "{step}" and path: "{path}".')
+        self.path, self.step = path, step
+
+
+# -- helpers with flax's exact behaviour -------------------------------------------------------
+def natural_sort(file_list: Iterable[str], signed: bool = True) -> list[str]:
+    """Natural sort for filenames with numerical substrings (flax's rule):
+    ``file_1, file_10, file_2 -> file_1, file_2, file_10`` and
+    ``file_0.1, file_-0.2, file_2.0 -> file_-0.2, file_0.1, file_2.0``."""
+    float_re = SIGNED_FLOAT_RE if signed else UNSIGNED_FLOAT_RE
+
+    def maybe_num(s: str) -> Any:
+        return float(s) if float_re.match(s) else s
+
+    return sorted(file_list, key=lambda s: [maybe_num(c) for c in float_re.split(s)])
+
+
+def safe_normpath(path: str) -> str:
+    """Normalise a path, keeping a URL scheme (``gs://a//b/`` -> ``gs://a/b``)."""
+    match = SCHEME_RE.match(path)
+    assert match is not None
+    d = match.groupdict()
+    return (d["scheme"] or "") + os.path.normpath(d["path"])
+
+
+def convert_pre_linen(params: PyTree) -> PyTree:
+    """Rename pre-Linen submodules (numbered across classes, ``Conv_0, Dense_1``) to Linen
+    names (numbered per class, ``Conv_0, Dense_0``); Linen params come back unchanged."""
+    if not isinstance(params, Mapping):
+        return params
+    renamed: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    for name in natural_sort(params.keys()):
+        value = params[name]
+        match = MODULE_NUM_RE.match(name)
+        if match:
+            module = match.group(1)
+            num = counts.get(module, 0)
+            name = f"{module}_{num}"
+            counts[module] = num + 1
+        renamed[name] = convert_pre_linen(value)
+    if type(params).__name__ == "FrozenDict" and hasattr(type(params), "unfreeze"):
+        return type(params)(renamed)  # type: ignore[call-arg]
+    return renamed
+
+
+class AsyncManager:
+    """Runs saves in a background thread, one at a time, in order (flax's class).
+
+    ``save_checkpoint(..., async_manager=am)`` returns once the state is copied to host;
+    an error in the background save is raised by the next ``wait_previous_save`` (which
+    every ``save_checkpoint`` with this manager calls first).
+    """
+
+    def __init__(self, max_workers: int = 1) -> None:
+        if not isinstance(max_workers, int) or max_workers < 1:
+            raise InvalidArgumentError("max_workers must be a positive int")
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                              thread_name_prefix="atomicstore-flax")
+        self.save_future: concurrent.futures.Future[Any] | None = None
+
+    def wait_previous_save(self) -> None:
+        """Block until the previous save finished; raise its error if it failed."""
+        fut, self.save_future = self.save_future, None
+        if fut is not None:
+            if not fut.done():
+                log.warning("the previous async save_checkpoint has not finished yet; waiting for it")
+            fut.result()
+
+    def save_async(self, task: Callable[[], Any]) -> None:
+        """Run ``task`` after the previous one."""
+        self.wait_previous_save()
+        self.save_future = self.executor.submit(task)
+
+
+# -- storage ------------------------------------------------------------------------------
+_stores: dict[tuple[str, str], Store] = {}
+_recovered: set[tuple[str, str]] = set()
+_lock = threading.Lock()
+
+
+def _fspath(ckpt_dir: Any, what: str = "ckpt_dir") -> str:
+    if isinstance(ckpt_dir, os.PathLike):
+        ckpt_dir = os.fspath(ckpt_dir)
+    if not isinstance(ckpt_dir, str) or not ckpt_dir.strip():
+        raise InvalidArgumentError(f"{what} must be a non-empty str or path, got {ckpt_dir!r}")
+    return ckpt_dir
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _store(path: str, storage_options: Mapping[str, Any] | None, prefix: str | None = None) -> Store:
+    """The store rooted at ``path`` (object-store clients are reused), recovered once per
+    process when ``prefix`` is given."""
+    opts = dict(storage_options or {})
+    if not _is_url(path):
+        st = open_store(os.path.abspath(path.removeprefix("file://")), **opts)
+    else:
+        key = (path.rstrip("/"), repr(sorted(opts.items())))
+        with _lock:
+            st = _stores.get(key) or open_store(path, **opts)
+            _stores[key] = st
+    if prefix is not None and (st.url, prefix) not in _recovered:
+        report = st.recover(flax_prefix=prefix)
+        if report.actions:
+            log.info("%s", report.summary())
+        _recovered.add((st.url, prefix))
+    return st
+
+
+def _kind(path: str, storage_options: Mapping[str, Any] | None) -> str | None:
+    """'dir', 'file' or None (missing) without creating anything."""
+    if not _is_url(path):
+        p = path.removeprefix("file://")
+        return "dir" if os.path.isdir(p) else "file" if os.path.exists(p) else None
+    parent, _, base = path.rstrip("/").rpartition("/")
+    if not base or parent.endswith(":/"):  # a bucket
+        return "dir"
+    st = _store(parent, storage_options)
+    if st.driver.exists(base):
+        return "file"
+    return "dir" if st.driver.listdir(base) else None
+
+
+def _step_names(st: Store, prefix: str) -> list[str]:
+    """Names of committed flax checkpoints ``<prefix><step>`` (no staging, no ``_gda``)."""
+    out = []
+    for e in st.driver.listdir(""):
+        name = e.name.rstrip("/")
+        rest = name[len(prefix):]
+        if not name.startswith(prefix) or rest.startswith("tmp") or name.endswith(MP_ARRAY_POSTFIX):
+            continue
+        try:
+            float(rest)
+        except ValueError:
+            continue
+        out.append(name)
+    return natural_sort(out)
+
+
+def _join(ckpt_dir: str, name: str) -> str:
+    return f"{ckpt_dir.rstrip('/')}/{name}" if _is_url(ckpt_dir) else os.path.join(ckpt_dir, name)
+
+
+def _check_common(prefix: Any, keep: Any = 1, keep_every_n_steps: Any = None) -> None:
+    if not isinstance(prefix, str) or not prefix or "/" in prefix or ".." in prefix:
+        raise InvalidArgumentError("prefix must be a non-empty str without '/' or '..'")
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise InvalidArgumentError("keep must be an int >= 1")
+    if keep_every_n_steps is not None and (
+        not isinstance(keep_every_n_steps, int) or isinstance(keep_every_n_steps, bool) or keep_every_n_steps < 1
+    ):
+        raise InvalidArgumentError("keep_every_n_steps must be a positive int or None")
+
+
+def _step_of(name: str, prefix: str) -> float:
+    return float(name[len(prefix):])
+
+
+# -- saving ------------------------------------------------------------------------------
+def save_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    target: PyTree,
+    step: int | float,
+    prefix: str = "checkpoint_",
+    keep: int = 1,
+    overwrite: bool = False,
+    keep_every_n_steps: int | None = None,
+    async_manager: AsyncManager | None = None,
+    orbax_checkpointer: Any = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str:
+    """Save ``target`` as ``<ckpt_dir>/<prefix><step>`` in flax's legacy format, atomically.
+
+    Args as flax's: ``keep`` newest checkpoints are kept plus, with
+    ``keep_every_n_steps``, one every n steps among the older ones; without
+    ``overwrite``, a step that is not newer than every existing one raises
+    :class:`InvalidCheckpointError`; with it, the same step is replaced atomically and
+    newer ones are removed. With ``async_manager`` the state is copied to host and the
+    write and commit run in the background. Returns the checkpoint's path.
+
+    Raises :class:`~atomicstore.CommitConflictError` if another writer committed the step
+    first.
+    """
+    if orbax_checkpointer is not None:
+        raise InvalidArgumentError("orbax_checkpointer is not supported: atomicstore writes flax's legacy format")
+    if async_manager is not None and not isinstance(async_manager, AsyncManager):
+        raise InvalidArgumentError("async_manager must be an atomicstore.compat.flax.AsyncManager")
+    _check_common(prefix, keep, keep_every_n_steps)
+    step = _check_step(step)
+    ckpt_dir = safe_normpath(_fspath(ckpt_dir))
+    start = time.monotonic()
+    if async_manager:
+        async_manager.wait_previous_save()
+    st = _store(ckpt_dir, storage_options, prefix)
+    name = f"{prefix}{step}"
+    path = _join(ckpt_dir, name)
+    names = _step_names(st, prefix)
+    if not overwrite and (name in names or (names and natural_sort([*names, name])[-1] != name)):
+        raise InvalidCheckpointError(path, step)
+    writer = StateWriter(target if async_manager is None else _snapshot(target, True), sort_keys=False)
+
+    def task() -> None:
+        with st.one_file(name, overwrite=overwrite) as f:
+            writer.write(f)
+        log.info("saved checkpoint at %s", path)
+        _remove_invalid(st, name, prefix, keep, overwrite, keep_every_n_steps)
+        _record(WRITE_EVENT, time.monotonic() - start)
+
+    if async_manager:
+        async_manager.save_async(task)
+    else:
+        task()
+    return path
+
+
+def _remove_invalid(st: Store, name: str, prefix: str, keep: int, overwrite: bool,
+                    keep_every_n_steps: int | None) -> None:
+    """flax's clean-up after a commit: newer steps go when overwriting, then all but the
+    ``keep`` newest, except one every ``keep_every_n_steps``. A step's ``_gda`` directory
+    goes first, then its main file (the commit point), so a crash in between leaves a
+    committed-looking step whose arrays recovery cannot orphan."""
+    names = _step_names(st, prefix)
+    doomed = []
+    if overwrite and name in names:
+        i = names.index(name) + 1
+        doomed += names[i:]
+        names = names[:i]
+    last_kept = -float("inf")
+    for old in names[:-keep] if len(names) > keep else []:
+        s = _step_of(old, prefix)
+        if keep_every_n_steps and s and s - last_kept >= keep_every_n_steps:
+            last_kept = s
+            continue
+        doomed.append(old)
+    for old in doomed:
+        log.info("removing checkpoint %s", st.driver.describe(old))
+        _delete_step(st, old)
+
+
+def _delete_step(st: Store, name: str) -> None:
+    d = st.driver
+    try:
+        d.delete(name)  # the main file is the commit point: un-publish first
+    except NotFoundError:
+        pass
+    if d.exists(name + MP_ARRAY_POSTFIX) or d.listdir(name + MP_ARRAY_POSTFIX):
+        d.delete_tree(name + MP_ARRAY_POSTFIX)
+
+
+def save_checkpoint_multiprocess(
+    ckpt_dir: str | os.PathLike[str],
+    target: PyTree,
+    step: int | float,
+    prefix: str = "checkpoint_",
+    keep: int = 1,
+    overwrite: bool = False,
+    keep_every_n_steps: int | None = None,
+    async_manager: AsyncManager | None = None,
+    gda_manager: Any = None,
+    orbax_checkpointer: Any = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str:
+    """flax's multi-process save: every process calls it. Arrays sharded across processes
+    go to ``<prefix><step>_gda`` (each process writes its own shards) and process 0
+    commits the main file once every process has finished; in a single process this is
+    :func:`save_checkpoint`. ``gda_manager`` is accepted and ignored."""
+    from ..multiprocess import save_checkpoint_multiprocess as _mp_save
+
+    return _mp_save(ckpt_dir, target, step, prefix=prefix, keep=keep, overwrite=overwrite,
+                    keep_every_n_steps=keep_every_n_steps, async_manager=async_manager,
+                    orbax_checkpointer=orbax_checkpointer, storage_options=storage_options)
+
+
+# -- listing and restoring -------------------------------------------------------------------
+def _all_checkpoints(ckpt_dir: str, prefix: str, storage_options: Mapping[str, Any] | None) -> list[str]:
+    if _kind(ckpt_dir, storage_options) != "dir":
+        return []
+    return [_join(ckpt_dir, n) for n in _step_names(_store(ckpt_dir, storage_options), prefix)]
+
+
+def latest_checkpoint(ckpt_dir: str | os.PathLike[str], prefix: str = "checkpoint_", *,
+                      storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """The path of the latest committed checkpoint in ``ckpt_dir``, or None."""
+    _check_common(prefix)
+    found = _all_checkpoints(_fspath(ckpt_dir), prefix, storage_options)
+    return found[-1] if found else None
+
+
+def available_steps(ckpt_dir: str | os.PathLike[str], prefix: str = "checkpoint_", step_type: type = int, *,
+                    storage_options: Mapping[str, Any] | None = None) -> list[int | float]:
+    """Steps of the committed checkpoints in ``ckpt_dir``, in natural order."""
+    _check_common(prefix)
+    if step_type not in (int, float):
+        raise InvalidArgumentError("step_type must be int or float")
+    out = []
+    for path in _all_checkpoints(_fspath(ckpt_dir), prefix, storage_options):
+        rest = path[path.rfind(prefix) + len(prefix):]
+        try:
+            out.append(step_type(rest))
+        except ValueError:
+            raise InvalidArgumentError(f"checkpoint {path} has a step that is not an {step_type.__name__}; "
+                                       "pass step_type=float") from None
+    return out
+
+
+def restore_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    target: Any | None,
+    step: int | float | None = None,
+    prefix: str = "checkpoint_",
+    parallel: bool = True,
+    gda_manager: Any = None,
+    allow_partial_mpa_restoration: bool = False,
+    orbax_checkpointer: Any = None,
+    orbax_transforms: dict | None = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> PyTree:
+    """Restore the latest checkpoint in ``ckpt_dir`` (or ``step``, or the file
+    ``ckpt_dir`` names), as flax does: with ``target`` None the state dict; otherwise
+    ``target``'s structure and types. A missing directory, or one without checkpoints,
+    returns ``target`` unchanged; a missing ``step`` raises ``ValueError``
+    (:class:`~atomicstore.InvalidArgumentError`). Damaged data raises
+    :class:`~atomicstore.CorruptionError` naming the file and leaf. Arrays saved across
+    processes (``_gda``) are read back from their shards, checksums checked."""
+    if orbax_checkpointer is not None or orbax_transforms is not None:
+        raise InvalidArgumentError("Orbax checkpoints are not supported: restore them with Orbax")
+    _check_common(prefix)
+    ckpt_dir = safe_normpath(_fspath(ckpt_dir))
+    start = time.monotonic()
+    if step is not None:
+        step = _check_step(step)
+        path = _join(ckpt_dir, f"{prefix}{step}")
+        if _kind(path, storage_options) is None:
+            raise InvalidArgumentError(f"Matching checkpoint not found: {path}")
+    else:
+        kind = _kind(ckpt_dir, storage_options)
+        if kind is None:
+            log.info("found no checkpoint directory at %s", ckpt_dir)
+            return target
+        if kind == "dir":
+            latest = latest_checkpoint(ckpt_dir, prefix, storage_options=storage_options)
+            if latest is None:
+                log.info("found no checkpoint files in %s with prefix %s", ckpt_dir, prefix)
+                return target
+            path = latest
+        else:
+            path = ckpt_dir
+    parent, name = (path.rstrip("/").rsplit("/", 1) if _is_url(path) else os.path.split(os.path.abspath(path)))
+    st = _store(parent, storage_options)
+    if _kind(path, storage_options) == "dir" and {e.name for e in st.driver.listdir(name)} & ORBAX_FILES:
+        raise InvalidArgumentError(f"{path} is an Orbax checkpoint: restore it with Orbax "
+                                   "(flax writes Orbax unless flax_use_orbax_checkpointing is False)")
+    log.info("restoring legacy flax checkpoint from %s", path)
+    from ..multiprocess import has_placeholders, restore_placeholders
+
+    out = _restore(f"{st.url}/{name}", target, store=st)
+    if has_placeholders(out):
+        out = restore_placeholders(st, name, out, target, allow_partial=allow_partial_mpa_restoration)
+    _record(READ_EVENT, time.monotonic() - start)
+    return out
+
+
+__all__ = [
+    "AsyncManager",
+    "InvalidCheckpointError",
+    "MP_ARRAY_PH",
+    "MP_ARRAY_POSTFIX",
+    "available_steps",
+    "convert_pre_linen",
+    "latest_checkpoint",
+    "natural_sort",
+    "restore_checkpoint",
+    "safe_normpath",
+    "save_checkpoint",
+    "save_checkpoint_multiprocess",
+]
