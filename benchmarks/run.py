@@ -322,7 +322,8 @@ def measure_multiprocess(total: int, nproc: int, repeat: int) -> dict[str, float
         for p in procs:
             if p.wait(timeout=900) != 0:
                 raise RuntimeError("multi-process benchmark child failed")
-        res = json.load(open(outs[0]))
+        with open(outs[0]) as f:
+            res = json.load(f)
         saves.append(res["save"])
         restores.append(res["restore"])
         ckpt = os.path.join(work, "ckpt")
