@@ -266,8 +266,9 @@ class CheckpointManager:
                 **kwargs: Any) -> Any:
         """Restore ``step`` (the latest when None); with ``with_items``, return
         ``(tree, items)``. Other arguments as for :func:`atomicstore.restore`. Raises
-        :class:`NotFoundError` when there is no checkpoint."""
-        self._raise_pending_error()
+        :class:`NotFoundError` when there is no checkpoint. Waits for background saves
+        first, so a step just saved is restorable."""
+        self.wait_until_finished()
         if step is None:
             step = self.latest_step()
             if step is None:

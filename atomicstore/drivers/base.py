@@ -138,7 +138,13 @@ class Driver(ABC):
         cls, protocol: str, path: str, storage_options: dict[str, Any], **kwargs: Any
     ) -> Driver:
         """Build the driver for ``protocol://path``; ``storage_options`` go to fsspec."""
-        fs = cls.make_filesystem(protocol, storage_options)
+        try:
+            fs = cls.make_filesystem(protocol, storage_options)
+        except (TypeError, ValueError, ImportError) as exc:
+            raise InvalidArgumentError(
+                f"cannot open {protocol}:// with the storage options given "
+                f"({sorted(storage_options)}): {type(exc).__name__}: {exc}"
+            ) from None
         root = fs._strip_protocol(f"{protocol}://{path}").rstrip("/")
         if not root:
             raise InvalidArgumentError(f"{protocol}:// needs a bucket or root path")

@@ -1,0 +1,153 @@
+"""The atomicstore command, driven as a subprocess against local disk and the S3 fake."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import make_backend
+
+import atomicstore
+from atomicstore.compat import flax as ck
+
+
+def cli(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "atomicstore.cli", *args], capture_output=True, text=True,
+                         timeout=300)
+    if check is not None:
+        assert out.returncode == check, (args, out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    return out
+
+
+def opts(b) -> list[str]:
+    return [x for k, v in b.options.items() for x in ("-o", f"{k}={json.dumps(v)}")]
+
+
+@pytest.fixture(params=["local", "s3"])
+def populated(request, tmp_path):
+    b = make_backend(request.param, request, tmp_path)
+    st = b.open()
+    for step in (1, 2):
+        atomicstore.save(f"{b.url}/checkpoint_{step}", {"params": {"w": np.full((4, 3), step, np.float32)},
+                                                        "step": step}, store=st, metadata={"lr": 0.1})
+    # a save whose writer died: written, never committed nor aborted, lease no longer renewed
+    txn = b.open(lease_ttl=0.5).transaction("checkpoint_3")
+    txn.write_bytes("state.msgpack", b"partial")
+    txn._lease.stop()
+    return b
+
+
+def test_ls_verify_inspect_rm(populated):
+    b, o = populated, opts(populated)
+    out = json.loads(cli("ls", b.url, "--json", *o).stdout)
+    assert [r["name"] for r in out["checkpoints"]] == ["checkpoint_1", "checkpoint_2"]
+    assert out["checkpoints"][0]["step"] == "1" and out["checkpoints"][0]["files"] == 2  # state + index
+    human = cli("ls", b.url, "--all", *o).stdout
+    assert "checkpoint_2" in human and "checkpoint_3" in human  # uncommitted, shown with why
+    assert "checkpoint_3" not in cli("ls", b.url, *o).stdout
+    v = json.loads(cli("verify", b.url, "--json", *o).stdout)
+    assert v["ok"] and len(v["results"]) == 2
+    cli("verify", f"{b.url}/checkpoint_2", *o)
+    ins = json.loads(cli("inspect", f"{b.url}/checkpoint_2", "--json", *o).stdout)
+    w = next(lf for lf in ins["leaves"] if lf["path"] == "params/w")
+    assert w["dtype"] == "float32" and w["shape"] == [4, 3] and w["bytes"] == 48
+    assert ins["metadata"] == {"lr": 0.1}
+    assert "params/w" in cli("inspect", f"{b.url}/checkpoint_2", *o).stdout
+    cli("rm", f"{b.url}/checkpoint_1", *o)
+    assert b.open().list() == ["checkpoint_2"]
+    r = cli("rm", f"{b.url}/checkpoint_1", *o, check=3)
+    assert "no checkpoint" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_recover_dry_run_then_real(populated):
+    b, o = populated, opts(populated)
+    time.sleep(1.0)  # the dead writer's lease (0.5 s) expires
+    before = set(b.open().driver.find(""))
+    dry = json.loads(cli("recover", b.url, "--dry-run", "--json", "--grace", "0", *o).stdout)
+    assert dry["dry_run"] and dry["committed"] == ["checkpoint_1", "checkpoint_2"]
+    assert any("checkpoint_3" in a["target"] for a in dry["actions"]), dry
+    assert set(b.open().driver.find("")) == before  # the dry run changed nothing
+    human = cli("recover", b.url, "--grace", "0", *o).stdout
+    assert "checkpoint_3" in human
+    assert "nothing uncommitted" in cli("ls", b.url, "--all", *o).stdout
+    assert b.open().list() == ["checkpoint_1", "checkpoint_2"]
+
+
+def test_cp_local_to_s3_and_back_verified(tmp_path, request):
+    local = make_backend("local", request, tmp_path)
+    s3 = make_backend("s3", request, tmp_path)
+    atomicstore.save(f"{local.url}/ck", {"a": np.arange(100_000, dtype=np.float64)})
+    out = json.loads(cli("cp", f"{local.url}/ck", f"{s3.url}/copy", "--json", "--dst-option",
+                         f"endpoint_url={json.dumps(s3.options['endpoint_url'])}",
+                         *[x for k, v in s3.options.items() if k != "endpoint_url"
+                           for x in ("--dst-option", f"{k}={json.dumps(v)}")]).stdout)
+    assert out["verified"] and out["bytes"] > 800_000
+    got = atomicstore.restore(f"{s3.url}/copy", **s3.options)
+    assert np.array_equal(got["a"], np.arange(100_000, dtype=np.float64))
+    cli("cp", f"{s3.url}/copy", f"{local.url}/back", *opts(s3))
+    assert atomicstore.open_store(local.url).list() == ["back", "ck"]
+    # an existing destination is refused unless --force
+    r = cli("cp", f"{local.url}/ck", f"{local.url}/back", check=5)
+    assert "already exists" in r.stderr and "--force" in r.stderr
+    cli("cp", f"{local.url}/ck", f"{local.url}/back", "--force")
+
+
+def test_flax_files_are_listed_verified_and_copied(tmp_path):
+    d = tmp_path / "flax"
+    ck.save_checkpoint(d, {"w": np.ones(10)}, 5)
+    ls = json.loads(cli("ls", str(d), "--json").stdout)
+    assert [(r["name"], r["kind"]) for r in ls["checkpoints"]] == [("checkpoint_5", "flax file")]
+    cli("verify", str(d / "checkpoint_5"))
+    cli("cp", str(d / "checkpoint_5"), str(tmp_path / "other" / "checkpoint_5"), check=None)
+    assert (tmp_path / "other" / "checkpoint_5").read_bytes() == (d / "checkpoint_5").read_bytes()
+
+
+def test_corrupt_data_fails_verify_naming_file_and_leaf(tmp_path):
+    root = tmp_path / "s"
+    atomicstore.save(f"{root}/ck", {"a": np.zeros(1000, np.float32), "b": np.ones(1000, np.float32)})
+    st = atomicstore.open_store(str(root))
+    state = Path(root) / "ck" / "state.msgpack"
+    raw = bytearray(state.read_bytes())
+    off = raw.rfind(np.ones(4, np.float32).tobytes())  # inside leaf "b"
+    raw[off] ^= 0xFF
+    state.write_bytes(bytes(raw))
+    r = cli("verify", f"{root}/ck", check=1)
+    assert "CORRUPT" in r.stdout and "state.msgpack" in r.stdout and "leaf b" in r.stdout
+    js = json.loads(cli("verify", str(root), "--json", check=1).stdout)
+    assert not js["ok"] and js["results"][0]["leaf"] == "b"
+    assert st.list() == ["ck"]  # verification changes nothing
+
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["ls", "/definitely/not/here"], 3, "no such directory"),
+    (["inspect", "nope"], 2, "does not name a checkpoint"),
+    (["ls", "nosuchproto://x/y"], 2, "nosuchproto"),
+    (["ls", "s3://bucket", "-o", "novalue"], 2, "KEY=VALUE"),
+    (["verify", "s3://bucket/x", "-o", "endpoint_url=\"http://127.0.0.1:9\"", "-o", "key=\"k\"",
+      "-o", "secret=\"hunter2-secret\""], 4, ""),
+])
+def test_user_errors_are_one_line_with_an_exit_code(args, code, needle, tmp_path):
+    r = cli(*args, check=None)
+    assert r.returncode == code, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("atomicstore ") and needle in lines[0], r.stderr
+    assert "hunter2-secret" not in r.stderr
+
+
+def test_demo_runs_and_asserts_its_own_success(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "atomicstore.cli", "demo", "--dir", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    stages = {s["stage"]: s["result"] for s in doc["stages"]}
+    assert doc["ok"] and "SIGKILL while saving step 40" in stages["kill"]
+    assert "attempt" in stages["recover"] and "bit-identical" in stages["resume"]
+    mgr = atomicstore.CheckpointManager(str(tmp_path / "run"), recover=False)
+    assert 40 not in mgr.all_steps() and mgr.latest_step() == 60
