@@ -151,3 +151,8 @@ def test_demo_runs_and_asserts_its_own_success(tmp_path):
     assert "attempt" in stages["recover"] and "bit-identical" in stages["resume"]
     mgr = atomicstore.CheckpointManager(str(tmp_path / "run"), recover=False)
     assert 40 not in mgr.all_steps() and mgr.latest_step() == 60
+
+
+def test_python_dash_m_atomicstore_is_the_command():
+    r = subprocess.run([sys.executable, "-m", "atomicstore", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("atomicstore "), r.stderr
