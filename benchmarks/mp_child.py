@@ -3,7 +3,7 @@
 usage: mp_child.py PORT NPROC PID DIR BYTES OUT_JSON
 Saves a float32 array of BYTES sharded over all processes' devices (each holds 1/NPROC)
 with save_checkpoint_multiprocess, then restores it into the same sharding; with NPROC=1
-the same bytes as one numpy array through save_checkpoint/restore_checkpoint.
+the same bytes as one jax.Array through save_checkpoint/restore_checkpoint.
 """
 
 from __future__ import annotations
@@ -44,12 +44,14 @@ def main() -> None:
         jax.block_until_ready(got["w"])
         restore = time.perf_counter() - t0
     else:
-        state = {"w": np.random.default_rng(0).standard_normal((rows, 1024), dtype=np.float32)}
+        # the same bytes as one jax.Array on one process, restored into a jax.Array as well
+        state = {"w": jax.device_put(np.random.default_rng(0).standard_normal((rows, 1024), dtype=np.float32))}
         t0 = time.perf_counter()
         ck.save_checkpoint(root, state, 1)
         save = time.perf_counter() - t0
         t0 = time.perf_counter()
-        ck.restore_checkpoint(root, None)
+        got = ck.restore_checkpoint(root, state)
+        jax.block_until_ready(got["w"])
         restore = time.perf_counter() - t0
     with open(out, "w") as f:
         json.dump({"save": save, "restore": restore}, f)

@@ -62,25 +62,30 @@ class _Emitter:
     written straight from its buffer with its CRC32C already known."""
 
     def __init__(self, f: Any, progress: Callable[[int], None] | None) -> None:
-        self.f, self.buf, self.offset, self.progress = f, bytearray(), 0, progress
+        self.f, self.buf, self.flushed, self.progress = f, bytearray(), 0, progress
         self.pack = msgpack.Packer(use_bin_type=True, strict_types=True).pack
+
+    @property
+    def offset(self) -> int:
+        """Bytes emitted so far (flushed + buffered)."""
+        return self.flushed + len(self.buf)
 
     def small(self, b: bytes) -> None:
         self.buf += b
-        self.offset += len(b)
         if len(self.buf) >= SMALL_LEAF:
             self.flush()
 
     def big(self, mv: memoryview, crc: int) -> None:
         self.flush()
         self.f.write(mv, crc32c=crc)
-        self.offset += mv.nbytes
+        self.flushed += mv.nbytes
         if self.progress:
-            self.progress(self.offset)
+            self.progress(self.flushed)
 
     def flush(self) -> None:
         if self.buf:
             self.f.write(self.buf)
+            self.flushed += len(self.buf)
             self.buf = bytearray()
 
 
@@ -190,17 +195,22 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list, opts: _SaveOpt
         em.small(mp.map_header(len(items)))
         plain = opts.gather is None and opts.cast_dtype is None
         lpath = list(path)
+        pack, crc_of, heads, ndarray = em.pack, google_crc32c.value, _HEADS, np.ndarray
         for k, child in items:
-            kb = em.pack(k if type(k) is str else k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k))
-            if plain and type(child) is np.ndarray and child.nbytes < 65536 and child.flags.c_contiguous \
+            kb = pack(k if type(k) is str else k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k))
+            if plain and type(child) is ndarray and child.nbytes < 65536 and child.flags.c_contiguous \
                     and not child.dtype.hasobject and child.dtype.fields is None:
-                # the common case of many small arrays, inlined
-                head, name = _array_head(child, EXT_NDARRAY)
+                # the common case of many small arrays, inlined: straight into the buffer
+                hit = heads.get((child.dtype, child.shape, EXT_NDARRAY)) or _array_head(child, EXT_NDARRAY)
                 raw = child.tobytes()
-                em.small(kb + head)
-                index.append([1, [*lpath, k], "nd", name, list(child.shape), em.offset, len(raw),
-                              google_crc32c.value(raw)])
-                em.small(raw)
+                buf = em.buf
+                buf += kb
+                buf += hit[0]
+                off = em.flushed + len(buf)
+                buf += raw
+                index.append([1, [*lpath, k], "nd", hit[1], list(child.shape), off, len(raw), crc_of(raw)])
+                if len(buf) >= SMALL_LEAF:
+                    em.flush()
                 continue
             em.small(kb)
             _write_node(em, child, (*path, k), index, opts, depth + 1)
