@@ -1,11 +1,12 @@
 """One JAX process of a multi-process test (started by tests/test_multiprocess.py).
 
-usage: mp_worker.py PORT NPROC PID MODE DIR OPTIONS_JSON OUT_JSON
+usage: mp_worker.py PORT NPROC PID MODE ARG URL OPTIONS_JSON OUT_JSON
 
 Each process has 2 CPU devices; a (NPROC*2)-device mesh shards "w" along its first axis
 and "r" is replicated on every device; "small" is a plain numpy leaf.
 
-MODE: save STEP | restore STEP | restore_np STEP | die_in_save STEP | save_async STEPS
+MODE: save STEP | restore STEP | restore_np STEP | die_in_save STEP (the last process is lost) |
+      die0_in_save STEP (process 0, which hosts the coordination service, is lost) | save_async STEPS
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def main() -> None:
                                                 storage_options=opts_d, timeout=60)
             am.wait_previous_save()
             result["ok"] = True
-        elif mode == "die_in_save":
-            if pid_i == nproc_i - 1:
+        elif mode in ("die_in_save", "die0_in_save"):
+            if pid_i == (0 if mode == "die0_in_save" else nproc_i - 1):
                 os._exit(17)  # this process is lost before it writes anything
             t0 = time.monotonic()
             try:

@@ -122,6 +122,26 @@ def test_a_process_lost_mid_save_means_no_commit_and_recovery_cleans(kind, reque
     ok(run(2, "restore", "1.0", url, opts, tmp_path))
 
 
+def test_losing_process_0_fails_the_others_and_commits_nothing(tmp_path, request):
+    """Process 0 hosts jax.distributed's coordination service: when it dies, JAX itself
+    terminates the other processes (a fatal error in its C++ agent, not something a
+    library can catch). What atomicstore guarantees still holds: nothing is committed and
+    recovery leaves the earlier step intact."""
+    url, opts = where("local", request, tmp_path)
+    ok(run(2, "save", "1", url, opts, tmp_path))
+    t0 = time.monotonic()
+    res = run(2, "die0_in_save", "2", url, opts, tmp_path)
+    assert res[0]["rc"] == 17
+    other = res[1]
+    assert "CoordinationError" in (other.get("error") or "") or (
+        other["rc"] != 0 and "JAX distributed service detected fatal errors" in other.get("log", "")), other
+    assert time.monotonic() - t0 < 120  # no hang
+    assert ck.available_steps(url, step_type=float) == [1.0]
+    st = atomicstore.open_store(url)
+    st.recover(now=FUTURE, flax_prefix="checkpoint_")
+    assert all(k.startswith("checkpoint_1.0") for k in st.driver.find("")), sorted(st.driver.find(""))
+
+
 def test_async_multiprocess_saves(tmp_path, request):
     url, opts = where("local", request, tmp_path)
     ok(run(2, "save_async", "1,2,3", url, opts, tmp_path))
