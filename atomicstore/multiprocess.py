@@ -335,6 +335,11 @@ class _Arrays:
             data = dict(zip(needed, pool.map(fetch, needed.values()), strict=True))
         out = []
         for box in boxes:
+            exact = [f for f, s in needed.items()
+                     if [list(b) for b in box] == [[st_, st_ + n] for st_, n in zip(s["start"], s["shape"], strict=True)]]
+            if exact:  # the region is one saved shard (same sharding as at save time): no copy
+                out.append(data[exact[0]])
+                continue
             res = np.empty([hi - lo for lo, hi in box], a["dtype_"])
             filled = 0
             for f, s in needed.items():
@@ -383,7 +388,10 @@ def restore_placeholders(st: Store, name: str, tree: Any, target: Any, *, allow_
         regions = list({_norm(idx, a["shape"]): None for idx in index_map.values() if idx is not None})
         data = dict(zip(regions, arrays.read(key, [tuple(slice(lo, hi) for lo, hi in r) for r in regions]),
                         strict=True))
-        return jax.make_array_from_callback(a["shape"], sharding, lambda idx: data[_norm(idx, a["shape"])])  # type: ignore[arg-type]
+        # each buffer is ours alone: let the device array use it without another copy
+        return jax.make_array_from_single_device_arrays(a["shape"], sharding, [
+            jax.device_put(data[_norm(idx, a["shape"])], dev, may_alias=True)
+            for dev, idx in index_map.items() if idx is not None])
 
     return rebuild(tree, fill)
 

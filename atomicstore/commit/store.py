@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
 import logging
@@ -16,7 +17,7 @@ from ..drivers.base import Driver
 from ..errors import ChecksumMismatchError, InvalidArgumentError, NotFoundError
 from ..retry import RetryPolicy
 from .lease import DEFAULT_LEASE_TTL
-from .manifest import Crc32cHasher, FileEntry, Manifest, crc32c
+from .manifest import Crc32cHasher, FileEntry, Manifest, crc32c, crc32c_combine
 from .names import natural_sort, validate_name, validate_path
 from .onefile import OneFileCommit
 from .recovery import DEFAULT_GRACE, RecoveryReport, recover
@@ -24,6 +25,10 @@ from .strategies import CommitStrategy, choose_strategy, new_attempt_id
 from .transaction import Transaction
 
 log = logging.getLogger("atomicstore")
+
+
+#: files above twice this size are read by ``Checkpoint.read_into`` in parallel ranges
+PARALLEL_READ_CHUNK = 32 * 2**20
 
 
 def default_writer_id() -> str:
@@ -134,8 +139,23 @@ class Checkpoint:
                 f"read_into {self.where(path)}: need a writable buffer of {entry.size} bytes, "
                 f"got {'read-only ' if mv.readonly else ''}{mv.nbytes}"
             )
-        self.read_range_into(path, 0, mv)
-        entry.check(path, mv.nbytes, crc32c(mv), where=self.where(path))
+        if mv.nbytes <= PARALLEL_READ_CHUNK * 2:
+            self.read_range_into(path, 0, mv)
+            crc = crc32c(mv)
+        else:  # large files: ranges read and checksummed in parallel, CRCs combined
+            spans = [(a, min(PARALLEL_READ_CHUNK, mv.nbytes - a)) for a in range(0, mv.nbytes, PARALLEL_READ_CHUNK)]
+
+            def part(span: tuple[int, int]) -> int:
+                a, n = span
+                self.read_range_into(path, a, mv[a : a + n])
+                return crc32c(mv[a : a + n])
+
+            with concurrent.futures.ThreadPoolExecutor(min(8, len(spans))) as pool:
+                crcs = list(pool.map(part, spans))
+            crc = crcs[0]
+            for c, (_, n) in zip(crcs[1:], spans[1:], strict=True):
+                crc = crc32c_combine(crc, c, n)
+        entry.check(path, mv.nbytes, crc, where=self.where(path))
         return out
 
     def read_range_into(self, path: str, start: int, out: Any) -> None:

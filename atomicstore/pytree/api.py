@@ -942,7 +942,8 @@ def restore(
             import jax
 
             sharding = getattr(leaf, "sharding", None)
-            v = jax.device_put(v, sharding) if sharding is not None else jax.numpy.asarray(v)
+            # v was just read into a buffer nobody else holds: the device may use it as is
+            v = jax.device_put(v, sharding, may_alias=True) if sharding is not None else jax.numpy.asarray(v)
         elif isinstance(leaf, np.ndarray) and isinstance(v, np.ndarray) and leaf.dtype != v.dtype:
             raise CorruptionError(f"{where}: leaf {path_str(lf.path)} is {v.dtype}, the target has {leaf.dtype}",
                                   path=STATE_FILE, leaf=path_str(lf.path))
