@@ -33,6 +33,7 @@ from .errors import (
     NotFoundError,
     StorageError,
 )
+from .pytree.api import split_url
 
 EXIT_OK, EXIT_BAD_DATA, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_STORAGE, EXIT_EXISTS = 0, 1, 2, 3, 4, 5
 
@@ -79,14 +80,6 @@ def _options(pairs: Sequence[str]) -> dict[str, Any]:
         except ValueError:
             out[key] = val
     return out
-
-
-def _split(url: str) -> tuple[str, str]:
-    url = url.rstrip("/")
-    root, _, name = url.rpartition("/")
-    if not root or not name or root.endswith(":/") or root.endswith(":"):
-        raise InvalidArgumentError(f"{url!r} does not name a checkpoint: expected STORE_URL/NAME")
-    return root, name
 
 
 def _age(t: float | None) -> str:
@@ -238,11 +231,11 @@ def _store_or_checkpoint(url: str, options: dict) -> tuple[Store, list[str]]:
 
     if "://" not in url:
         if os.path.isfile(url) or os.path.isfile(os.path.join(url, "manifest.json")):
-            root, name = _split(os.path.abspath(url))
+            root, name = split_url(os.path.abspath(url))
             return open_store(root), [name]
     else:
         try:
-            root, name = _split(url)
+            root, name = split_url(url)
             parent = open_store(root, **options)
             if parent.exists(name) or parent.driver.exists(name):
                 return parent, [name]
@@ -267,7 +260,7 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
     from .pytree.api import INDEX_FILE, STATE_FILE, index_of_msgpack, parse_index
     from .pytree.tree import path_str
 
-    root, name = _split(args.url)
+    root, name = split_url(args.url)
     st = _open(root, args.options)
     meta: dict[str, Any] = {}
     if st.exists(name):
@@ -314,12 +307,12 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
 
 
 def cmd_cp(args: argparse.Namespace, out: _Out) -> int:
-    sroot, sname = _split(args.src)
+    sroot, sname = split_url(args.src)
     # -o is for the remote side(s); a local path takes no storage options
     src = _open(sroot, args.options if "://" in sroot else {})
     dst_opts = _options(args.dst_option) if args.dst_option else (args.options if "://" in args.dst else {})
     try:
-        droot, dname = _split(args.dst)
+        droot, dname = split_url(args.dst)
         dst = open_store(droot, **dst_opts)
     except InvalidArgumentError:
         dst, dname = open_store(args.dst, **dst_opts), sname
@@ -360,7 +353,7 @@ def cmd_cp(args: argparse.Namespace, out: _Out) -> int:
 
 
 def cmd_rm(args: argparse.Namespace, out: _Out) -> int:
-    root, name = _split(args.url)
+    root, name = split_url(args.url)
     st = _open(root, args.options)
     if st.exists(name):
         st.delete(name)

@@ -222,9 +222,7 @@ def _save_main(coord: _Coordinator, st: Store, prefix: str, name: str, path: str
     gda = name + MP_ARRAY_POSTFIX
     txn = None
     try:
-        existing = compat._step_names(st, prefix)
-        if not overwrite and (name in existing or (existing and compat.natural_sort([*existing, name])[-1] != name)):
-            raise compat.InvalidCheckpointError(path, name[len(prefix):])
+        compat._check_newer(st, prefix, name, path, name[len(prefix):], overwrite)
         # a committed _gda without its main file is an orphan of a crash: replace it
         txn = st.transaction(gda, overwrite=overwrite or st.exists(gda))
         coord.put("plan", {"prefix": txn.prefix})

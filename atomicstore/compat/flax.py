@@ -254,9 +254,7 @@ def save_checkpoint(
     st = _store(ckpt_dir, storage_options, prefix)
     name = f"{prefix}{step}"
     path = _join(ckpt_dir, name)
-    names = _step_names(st, prefix)
-    if not overwrite and (name in names or (names and natural_sort([*names, name])[-1] != name)):
-        raise InvalidCheckpointError(path, step)
+    _check_newer(st, prefix, name, path, step, overwrite)
     writer = StateWriter(target if async_manager is None else _snapshot(target, True), sort_keys=False)
 
     def task() -> None:
@@ -271,6 +269,13 @@ def save_checkpoint(
     else:
         task()
     return path
+
+
+def _check_newer(st: Store, prefix: str, name: str, path: str, step: Any, overwrite: bool) -> None:
+    """flax's rule: without ``overwrite``, ``name`` must be newer than every committed step."""
+    names = _step_names(st, prefix)
+    if not overwrite and (name in names or (names and natural_sort([*names, name])[-1] != name)):
+        raise InvalidCheckpointError(path, step)
 
 
 def _remove_invalid(st: Store, name: str, prefix: str, keep: int, overwrite: bool,
@@ -409,7 +414,7 @@ def restore_checkpoint(
             path = ckpt_dir
     parent, name = (path.rstrip("/").rsplit("/", 1) if _is_url(path) else os.path.split(os.path.abspath(path)))
     st = _store(parent, storage_options)
-    if _kind(path, storage_options) == "dir" and {e.name for e in st.driver.listdir(name)} & ORBAX_FILES:
+    if {e.name for e in st.driver.listdir(name)} & ORBAX_FILES:  # (a file lists nothing)
         raise InvalidArgumentError(f"{path} is an Orbax checkpoint: restore it with Orbax "
                                    "(flax writes Orbax unless flax_use_orbax_checkpointing is False)")
     log.info("restoring legacy flax checkpoint from %s", path)
