@@ -52,6 +52,18 @@ def _check_step(step: Any) -> Step:
     return step
 
 
+def check_retention(prefix: Any, keep: Any = 1, keep_every_n_steps: Any = None) -> None:
+    """Validate the naming and retention arguments shared with ``compat.flax``."""
+    if not isinstance(prefix, str) or not prefix or "/" in prefix or ".." in prefix:
+        raise InvalidArgumentError("prefix must be a non-empty string without '/' or '..'")
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise InvalidArgumentError("keep must be an int >= 1")
+    if keep_every_n_steps is not None and (
+        not isinstance(keep_every_n_steps, int) or isinstance(keep_every_n_steps, bool) or keep_every_n_steps < 1
+    ):
+        raise InvalidArgumentError("keep_every_n_steps must be a positive int or None")
+
+
 class CheckpointManager:
     """Save, restore and retain step-numbered checkpoints ``<prefix><step>``.
 
@@ -90,12 +102,7 @@ class CheckpointManager:
         recover: bool = True,
         store: Store | None = None,
     ) -> None:
-        if not isinstance(prefix, str) or not prefix or "/" in prefix or ".." in prefix:
-            raise InvalidArgumentError("prefix must be a non-empty string without '/' or '..'")
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-            raise InvalidArgumentError("keep must be an int >= 1")
-        if keep_every_n_steps is not None and (not isinstance(keep_every_n_steps, int) or keep_every_n_steps < 1):
-            raise InvalidArgumentError("keep_every_n_steps must be a positive int or None")
+        check_retention(prefix, keep, keep_every_n_steps)
         if best_mode not in ("max", "min"):
             raise InvalidArgumentError("best_mode must be 'max' or 'min'")
         if best_fn is not None and not callable(best_fn):

@@ -171,7 +171,7 @@ def save_checkpoint_multiprocess(
     import jax
 
     from .compat import flax as compat
-    from .manager import WRITE_EVENT, _check_step, _record, _snapshot
+    from .manager import WRITE_EVENT, _check_step, _record, _snapshot, check_retention
 
     if orbax_checkpointer is not None:
         raise InvalidArgumentError("orbax_checkpointer is not supported: atomicstore writes flax's legacy format")
@@ -181,7 +181,7 @@ def save_checkpoint_multiprocess(
     if jax.process_count() == 1 and not arrays:
         return compat.save_checkpoint(ckpt_dir, target, step, prefix, keep, overwrite, keep_every_n_steps,
                                       async_manager, storage_options=storage_options)
-    compat._check_common(prefix, keep, keep_every_n_steps)
+    check_retention(prefix, keep, keep_every_n_steps)
     step = _check_step(step)
     ckpt_dir = compat.safe_normpath(compat._fspath(ckpt_dir))
     name = f"{prefix}{step}"

@@ -31,7 +31,7 @@ from typing import Any
 
 from ..commit import Store, open_store
 from ..errors import InvalidArgumentError, NotFoundError
-from ..manager import READ_EVENT, WRITE_EVENT, _check_step, _record, _snapshot
+from ..manager import READ_EVENT, WRITE_EVENT, _check_step, _record, _snapshot, check_retention
 from ..pytree.api import StateWriter
 from ..pytree.api import restore as _restore
 
@@ -200,17 +200,6 @@ def _join(ckpt_dir: str, name: str) -> str:
     return f"{ckpt_dir.rstrip('/')}/{name}" if _is_url(ckpt_dir) else os.path.join(ckpt_dir, name)
 
 
-def _check_common(prefix: Any, keep: Any = 1, keep_every_n_steps: Any = None) -> None:
-    if not isinstance(prefix, str) or not prefix or "/" in prefix or ".." in prefix:
-        raise InvalidArgumentError("prefix must be a non-empty str without '/' or '..'")
-    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-        raise InvalidArgumentError("keep must be an int >= 1")
-    if keep_every_n_steps is not None and (
-        not isinstance(keep_every_n_steps, int) or isinstance(keep_every_n_steps, bool) or keep_every_n_steps < 1
-    ):
-        raise InvalidArgumentError("keep_every_n_steps must be a positive int or None")
-
-
 def _step_of(name: str, prefix: str) -> float:
     return float(name[len(prefix):])
 
@@ -245,7 +234,7 @@ def save_checkpoint(
         raise InvalidArgumentError("orbax_checkpointer is not supported: atomicstore writes flax's legacy format")
     if async_manager is not None and not isinstance(async_manager, AsyncManager):
         raise InvalidArgumentError("async_manager must be an atomicstore.compat.flax.AsyncManager")
-    _check_common(prefix, keep, keep_every_n_steps)
+    check_retention(prefix, keep, keep_every_n_steps)
     step = _check_step(step)
     ckpt_dir = safe_normpath(_fspath(ckpt_dir))
     start = time.monotonic()
@@ -347,7 +336,7 @@ def _all_checkpoints(ckpt_dir: str, prefix: str, storage_options: Mapping[str, A
 def latest_checkpoint(ckpt_dir: str | os.PathLike[str], prefix: str = "checkpoint_", *,
                       storage_options: Mapping[str, Any] | None = None) -> str | None:
     """The path of the latest committed checkpoint in ``ckpt_dir``, or None."""
-    _check_common(prefix)
+    check_retention(prefix)
     found = _all_checkpoints(_fspath(ckpt_dir), prefix, storage_options)
     return found[-1] if found else None
 
@@ -355,7 +344,7 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike[str], prefix: str = "checkpoin
 def available_steps(ckpt_dir: str | os.PathLike[str], prefix: str = "checkpoint_", step_type: type = int, *,
                     storage_options: Mapping[str, Any] | None = None) -> list[int | float]:
     """Steps of the committed checkpoints in ``ckpt_dir``, in natural order."""
-    _check_common(prefix)
+    check_retention(prefix)
     if step_type not in (int, float):
         raise InvalidArgumentError("step_type must be int or float")
     out = []
@@ -391,7 +380,7 @@ def restore_checkpoint(
     processes (``_gda``) are read back from their shards, checksums checked."""
     if orbax_checkpointer is not None or orbax_transforms is not None:
         raise InvalidArgumentError("Orbax checkpoints are not supported: restore them with Orbax")
-    _check_common(prefix)
+    check_retention(prefix)
     ckpt_dir = safe_normpath(_fspath(ckpt_dir))
     start = time.monotonic()
     if step is not None:
