@@ -155,3 +155,288 @@ def test_redaction_of_error_text():
     opts = {"key": "AKIDXXXXXXXX", "secret": "s3cr3t-value", "endpoint_url": "http://x",
             "client_kwargs": {"aws_session_token": "tok-123456"}}
     assert set(secrets_of(opts)) == {"AKIDXXXXXXXX", "s3cr3t-value", "tok-123456"}
+
+
+# -- what the fakes enforce, talked to over HTTP -----------------------------------------
+def _s3_client(server):
+    import boto3
+    import botocore.config
+
+    opts = server.storage_options()
+    return boto3.client(
+        "s3", endpoint_url=opts["endpoint_url"], aws_access_key_id=opts["key"],
+        aws_secret_access_key=opts["secret"], region_name="us-east-1",
+        config=botocore.config.Config(retries={"total_max_attempts": 1, "mode": "standard"}),
+    )
+
+
+def _s3_error(call, *args, **kwargs) -> tuple[int, str]:
+    import botocore.exceptions
+
+    try:
+        call(*args, **kwargs)
+    except botocore.exceptions.ClientError as exc:
+        return exc.response["ResponseMetadata"]["HTTPStatusCode"], exc.response["Error"]["Code"]
+    raise AssertionError("the request succeeded")
+
+
+def _mpu(s3, bucket: str, key: str, data: bytes) -> tuple[str, list[dict]]:
+    upload = s3.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    etag = s3.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=data)["ETag"]
+    return upload, [{"PartNumber": 1, "ETag": etag}]
+
+
+def test_s3_409_rule_answers_409_unapplied_then_the_next_request_succeeds(s3_server):
+    from atomicstore.testing.faults import writes_to
+
+    s3, bucket = _s3_client(s3_server), s3_server.new_bucket()
+    s3_server.faults(FaultPlan(conflicts=[(writes_to("marker"), 1)]))
+    try:
+        s3.put_object(Bucket=bucket, Key="other", Body=b"x", IfNoneMatch="*")  # no match
+        s3.put_object(Bucket=bucket, Key="marker", Body=b"plain")  # not conditional: no 409
+        s3.delete_object(Bucket=bucket, Key="marker")
+        assert _s3_error(s3.put_object, Bucket=bucket, Key="marker", Body=b"1", IfNoneMatch="*") == (
+            409, "ConditionalRequestConflict")
+        assert _s3_error(s3.head_object, Bucket=bucket, Key="marker")[0] == 404  # not applied
+        s3.put_object(Bucket=bucket, Key="marker", Body=b"2", IfNoneMatch="*")  # the retry wins
+        assert s3.get_object(Bucket=bucket, Key="marker")["Body"].read() == b"2"
+        assert s3_server.injector.counts["conflict"] == 1
+    finally:
+        s3_server.faults(None)
+
+
+def test_s3_409_body_is_s3_error_xml(s3_server):
+    import urllib.error
+    import urllib.request
+
+    bucket = s3_server.new_bucket()
+    s3_server.faults(FaultPlan(conflicts=[(lambda env: True, 1)]))
+    req = urllib.request.Request(f"{s3_server.endpoint}/{bucket}/k", data=b"x", method="PUT",
+                                 headers={"If-None-Match": "*"})
+    try:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+    finally:
+        s3_server.faults(None)
+    body = info.value.read().decode()
+    assert info.value.code == 409 and info.value.headers["Content-Type"] == "application/xml"
+    assert body.startswith('<?xml version="1.0" encoding="UTF-8"?>')
+    for part in ("<Code>ConditionalRequestConflict</Code>", "<Key>k</Key>", "<RequestId>",
+                 "<Message>A conflicting conditional operation is currently in progress"):
+        assert part in body, body
+
+
+def test_s3_overlapping_conditional_writes_decided_one_after_the_other_or_409(s3_server):
+    import threading
+
+    from atomicstore.testing.faults import writes_to
+
+    s3, bucket = _s3_client(s3_server), s3_server.new_bucket()
+    for overlap in (False, True):
+        key = f"k-{overlap}"
+        first = threading.Event()
+
+        def stall_first(env: dict, key: str = key, first: threading.Event = first) -> bool:
+            if writes_to(key)(env) and not first.is_set():
+                first.set()
+                return True
+            return False
+
+        s3_server.faults(FaultPlan(conflict_on_overlap=overlap, stalls=[(stall_first, 1.0)]))
+        outcome: dict[str, object] = {}
+
+        def early(key: str = key, outcome: dict = outcome) -> None:
+            try:
+                outcome["A"] = s3.put_object(Bucket=bucket, Key=key, Body=b"A", IfNoneMatch="*")["ETag"]
+            except Exception as exc:  # noqa: BLE001 - recorded
+                outcome["A"] = exc.response["Error"]["Code"]  # type: ignore[attr-defined]
+
+        t = threading.Thread(target=early)
+        t.start()
+        assert first.wait(10)
+        time.sleep(0.1)  # A is in progress (held before it is decided)
+        t0 = time.monotonic()
+        try:
+            s3.put_object(Bucket=bucket, Key=key, Body=b"B", IfNoneMatch="*")
+            late = (200, "OK")
+        except Exception as exc:  # noqa: BLE001 - compared below
+            late = (exc.response["ResponseMetadata"]["HTTPStatusCode"], exc.response["Error"]["Code"])  # type: ignore[attr-defined]
+        waited = time.monotonic() - t0
+        t.join()
+        stored = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        if overlap:  # the later one is refused at once, unapplied; the first one goes on
+            assert late == (409, "ConditionalRequestConflict") and waited < 0.5, (late, waited)
+            assert outcome["A"] != "PreconditionFailed" and stored == b"A", outcome
+        else:  # default: decided one after the other, B (not held) first; A then gets 412
+            assert late == (200, "OK") and outcome["A"] == "PreconditionFailed", (late, outcome)
+            assert stored == b"B"
+    s3_server.faults(None)
+
+
+def test_s3_delete_during_a_conditional_write_makes_it_409(s3_server):
+    import threading
+
+    from atomicstore.testing.faults import writes_to
+
+    s3, bucket = _s3_client(s3_server), s3_server.new_bucket()
+    etag = s3.put_object(Bucket=bucket, Key="k", Body=b"v1")["ETag"]
+    held = threading.Event()
+
+    def hold_the_put(env: dict) -> bool:
+        if env["REQUEST_METHOD"] == "PUT" and writes_to("/k")(env) and not held.is_set():
+            held.set()
+            return True
+        return False
+
+    s3_server.faults(FaultPlan(conflict_on_overlap=True, stalls=[(hold_the_put, 1.0)]))
+    try:
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(
+            _s3_error(s3.put_object, Bucket=bucket, Key="k", Body=b"v2", IfMatch=etag)))
+        t.start()
+        assert held.wait(10)
+        s3.delete_object(Bucket=bucket, Key="k")  # succeeds while the write is in progress
+        t.join()
+        assert got == [(409, "ConditionalRequestConflict")]
+        assert _s3_error(s3.head_object, Bucket=bucket, Key="k")[0] == 404  # not applied
+    finally:
+        s3_server.faults(None)
+
+
+def test_s3_409_on_completion_ends_that_upload(s3_server):
+    from atomicstore.testing.faults import is_multipart_completion
+
+    s3, bucket = _s3_client(s3_server), s3_server.new_bucket()
+    upload, parts = _mpu(s3, bucket, "obj", b"p" * 100)
+    s3_server.faults(FaultPlan(conflicts=[(is_multipart_completion, 1)]))
+    try:
+        for _ in range(2):  # AWS: restart the upload; this one never completes
+            assert _s3_error(s3.complete_multipart_upload, Bucket=bucket, Key="obj", UploadId=upload,
+                             MultipartUpload={"Parts": parts}, IfNoneMatch="*") == (409, "ConditionalRequestConflict")
+        assert _s3_error(s3.head_object, Bucket=bucket, Key="obj")[0] == 404
+        listed = [u["UploadId"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+        assert listed == [upload]  # still there, until aborted
+        s3.abort_multipart_upload(Bucket=bucket, Key="obj", UploadId=upload)
+        upload2, parts2 = _mpu(s3, bucket, "obj", b"q" * 100)
+        s3.complete_multipart_upload(Bucket=bucket, Key="obj", UploadId=upload2,
+                                     MultipartUpload={"Parts": parts2}, IfNoneMatch="*")
+        assert s3.get_object(Bucket=bucket, Key="obj")["Body"].read() == b"q" * 100
+    finally:
+        s3_server.faults(None)
+
+
+def test_s3_if_match_on_complete_multipart_upload(s3_server):
+    s3, bucket = _s3_client(s3_server), s3_server.new_bucket()
+    stale = s3.put_object(Bucket=bucket, Key="obj", Body=b"v1")["ETag"]
+    current = s3.put_object(Bucket=bucket, Key="obj", Body=b"v2")["ETag"]
+    upload, parts = _mpu(s3, bucket, "obj", b"v3")
+    done = {"Bucket": bucket, "Key": "obj", "UploadId": upload, "MultipartUpload": {"Parts": parts}}
+    assert _s3_error(s3.complete_multipart_upload, **done, IfMatch=stale) == (412, "PreconditionFailed")
+    assert s3.get_object(Bucket=bucket, Key="obj")["Body"].read() == b"v2"
+    out = s3.complete_multipart_upload(**done, IfMatch=current)
+    assert s3.get_object(Bucket=bucket, Key="obj")["Body"].read() == b"v3"
+    # a retry of the applied completion (its reply lost) is answered as done, as moto does
+    assert s3.complete_multipart_upload(**done, IfMatch=current)["ETag"] == out["ETag"]
+    upload2, parts2 = _mpu(s3, bucket, "missing", b"x")
+    assert _s3_error(s3.complete_multipart_upload, Bucket=bucket, Key="missing", UploadId=upload2,
+                     MultipartUpload={"Parts": parts2}, IfMatch=current) == (404, "NoSuchKey")
+    # moto itself honours If-Match on PutObject and DeleteObject
+    assert _s3_error(s3.put_object, Bucket=bucket, Key="obj", Body=b"x", IfMatch=stale)[0] == 412
+    assert _s3_error(s3.delete_object, Bucket=bucket, Key="obj", IfMatch=stale)[0] == 412
+    s3.delete_object(Bucket=bucket, Key="obj", IfMatch=out["ETag"])
+    assert _s3_error(s3.head_object, Bucket=bucket, Key="obj")[0] == 404
+
+
+def _gcs(server, method: str, path: str, data: bytes | None = None, headers: dict | None = None):
+    """(status, headers, body) of one request to the GCS fake."""
+    import urllib.error
+    import urllib.request
+
+    url = path if path.startswith("http") else f"{server.endpoint}{path}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, exc.read()
+
+
+def test_gcs_fake_honours_preconditions_on_every_write_path(gcs_server):
+    import json
+    from urllib.parse import parse_qs, urlsplit
+
+    from atomicstore.testing.faults import object_key
+
+    b = gcs_server.new_bucket()
+    up = f"/upload/storage/v1/b/{b}/o"
+
+    def meta(name: str) -> dict:
+        status, _, body = _gcs(gcs_server, "GET", f"/storage/v1/b/{b}/o/{name}")
+        assert status == 200, body
+        return json.loads(body)
+
+    # simple (media) upload
+    assert _gcs(gcs_server, "POST", f"{up}?uploadType=media&name=a&ifGenerationMatch=0", b"1")[0] == 200
+    gen = meta("a")["generation"]
+    assert _gcs(gcs_server, "POST", f"{up}?uploadType=media&name=a&ifGenerationMatch=0", b"2")[0] == 412
+    assert _gcs(gcs_server, "POST", f"{up}?uploadType=media&name=a&ifGenerationMatch=1", b"2")[0] == 412
+    assert _gcs(gcs_server, "POST", f"{up}?uploadType=media&name=a&ifMetagenerationMatch=2", b"2")[0] == 412
+    assert _gcs(gcs_server, "POST", f"{up}?uploadType=media&name=new&ifGenerationNotMatch=0", b"2")[0] == 412
+    assert _gcs(gcs_server, "POST", f"{up}?uploadType=media&name=a&ifGenerationMatch={gen}", b"2")[0] == 200
+    gen2 = meta("a")["generation"]
+    assert gen2 != gen
+    # multipart upload (the name is in the metadata part)
+    body = (b'--==0==\nContent-Type: application/json\n\n{"name": "a"}\n--==0==\n'
+            b"Content-Type: application/octet-stream\n\n3\n--==0==--")
+    hdrs = {"Content-Type": 'multipart/related; boundary="==0=="'}
+    assert _gcs(gcs_server, "POST", f"{up}?uploadType=multipart&ifGenerationMatch={gen}", body, hdrs)[0] == 412
+    assert _gcs(gcs_server, "POST", f"{up}?uploadType=multipart&ifGenerationMatch={gen2}", body, hdrs)[0] == 200
+    gen3 = meta("a")["generation"]
+    # resumable upload: the session's condition is checked by its final chunk
+    status, h, _ = _gcs(gcs_server, "POST", f"{up}?uploadType=resumable&name=a&ifGenerationMatch={gen3}",
+                        b'{"name": "a"}', {"Content-Type": "application/json"})
+    assert status == 200
+    loc = h["Location"]
+    assert parse_qs(urlsplit(loc).query)["ifGenerationMatch"] == [gen3]  # as GCS's session URL
+    env = {"REQUEST_METHOD": "POST", "PATH_INFO": urlsplit(loc).path, "QUERY_STRING": urlsplit(loc).query}
+    assert not is_conditional({**env, "HTTP_CONTENT_RANGE": "bytes 0-0/*"})
+    assert is_conditional({**env, "HTTP_CONTENT_RANGE": "bytes 0-0/1"})
+    assert object_key(env) == f"{b}/a"
+    assert _gcs(gcs_server, "POST", loc, b"4", {"Content-Range": "bytes 0-0/*"})[0] == 308
+    assert _gcs(gcs_server, "POST", f"{up}?uploadType=media&name=a", b"5")[0] == 200  # moves on
+    final = _gcs(gcs_server, "POST", loc, b"", {"Content-Range": "bytes */1"})
+    assert final[0] == 412, final
+    assert _gcs(gcs_server, "POST", loc, b"", {"Content-Range": "bytes */1"})[0] == 412  # replayed
+    assert _gcs(gcs_server, "GET", f"/storage/v1/b/{b}/o/a?alt=media")[2] == b"5"
+    gen5 = meta("a")["generation"]
+    status, h, _ = _gcs(gcs_server, "POST", f"{up}?uploadType=resumable&name=a&ifGenerationMatch={gen5}",
+                        b'{"name": "a"}', {"Content-Type": "application/json"})
+    assert _gcs(gcs_server, "POST", h["Location"], b"6", {"Content-Range": "bytes 0-0/1"})[0] == 200
+    gen6 = meta("a")["generation"]
+    # conditional reads and deletes
+    assert _gcs(gcs_server, "GET", f"/storage/v1/b/{b}/o/a?ifGenerationMatch={gen5}")[0] == 412
+    assert _gcs(gcs_server, "DELETE", f"/storage/v1/b/{b}/o/a?ifGenerationMatch={gen5}")[0] == 412
+    assert _gcs(gcs_server, "DELETE", f"/storage/v1/b/{b}/o/a?ifMetagenerationMatch=1&ifGenerationMatch={gen6}")[0] == 204
+    assert _gcs(gcs_server, "GET", f"/storage/v1/b/{b}/o/a")[0] == 404
+
+
+def test_is_conditional_covers_every_precondition():
+    from atomicstore.testing.faults import is_conditional_write
+
+    put = {"REQUEST_METHOD": "PUT", "PATH_INFO": "/b/k", "QUERY_STRING": ""}
+    assert not is_conditional(put)
+    assert is_conditional({**put, "HTTP_IF_NONE_MATCH": "*"})
+    assert is_conditional({**put, "HTTP_IF_MATCH": '"abc"'})
+    assert is_conditional({**put, "REQUEST_METHOD": "DELETE", "HTTP_IF_MATCH": '"abc"'})
+    assert not is_conditional({**put, "REQUEST_METHOD": "GET", "HTTP_IF_NONE_MATCH": '"abc"'})
+    assert is_conditional_write({**put, "HTTP_IF_MATCH": '"abc"'})
+    complete = {**put, "REQUEST_METHOD": "POST", "QUERY_STRING": "uploadId=u", "HTTP_IF_NONE_MATCH": "*"}
+    assert is_conditional_write(complete)
+    assert not is_conditional_write({**complete, "REQUEST_METHOD": "DELETE", "HTTP_IF_MATCH": "e"})
+    gcs = {"REQUEST_METHOD": "POST", "PATH_INFO": "/upload/storage/v1/b/b/o"}
+    for q in ("ifGenerationMatch=0", "ifGenerationMatch=17", "ifMetagenerationMatch=1"):
+        assert is_conditional({**gcs, "QUERY_STRING": f"uploadType=media&name=x&{q}"}), q
+        assert not is_conditional_write({**gcs, "QUERY_STRING": f"uploadType=media&name=x&{q}"})
+    assert not is_conditional({**gcs, "QUERY_STRING": "uploadType=media&name=x"})
+    delete = {"REQUEST_METHOD": "DELETE", "PATH_INFO": "/storage/v1/b/b/o/x", "QUERY_STRING": "ifGenerationMatch=5"}
+    assert is_conditional(delete)

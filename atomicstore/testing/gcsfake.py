@@ -4,9 +4,18 @@ gcp-storage-emulator ignores ``ifGenerationMatch``; this fake enforces it under 
 so conditional creates behave as on GCS: of two racing creators exactly one gets 200 and
 the other 412. Objects carry generations and CRC32C (base64, big-endian) like GCS.
 
+Preconditions (``ifGenerationMatch``, ``ifGenerationNotMatch``, ``ifMetagenerationMatch``,
+``ifMetagenerationNotMatch``; 412 ``conditionNotMet`` when one does not hold) are checked on
+every write path: simple (``media``) and ``multipart`` uploads, the final chunk of a
+resumable upload (against the preconditions given when the session was started, which its
+session URL repeats, as GCS's does), delete, and metadata or media GET.
+``ifGenerationMatch=0`` means "no live object". The metageneration of every object is 1
+(the fake has no metadata updates).
+
 Supported: bucket get/insert; object get (metadata and ``alt=media`` with ``Range``),
-list (prefix, delimiter, pageToken, maxResults), delete (with ``ifGenerationMatch``),
-multipart upload, resumable upload (chunks with ``Content-Range``, cancel with DELETE).
+list (prefix, delimiter, pageToken, maxResults), delete, multipart upload, resumable upload
+(chunks with ``Content-Range``, cancel with DELETE; a finished session answers a repeated
+final chunk with the answer it gave, success or failure).
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote, urlencode
 
 import google_crc32c
 from werkzeug.wrappers import Request, Response
@@ -33,11 +42,44 @@ class _Object:
     updated: float
 
 
+#: the preconditions GCS accepts on object requests
+PRECONDITIONS = ("ifGenerationMatch", "ifGenerationNotMatch", "ifMetagenerationMatch",
+                 "ifMetagenerationNotMatch")
+METAGENERATION = 1
+
+
+def precondition_failure(obj: _Object | None, conditions: dict[str, str]) -> str | None:
+    """The first of ``conditions`` that does not hold for ``obj`` (None: all hold).
+
+    As GCS documents them: ``ifGenerationMatch=0`` holds only when there is no live
+    object; ``ifGenerationNotMatch`` and the metageneration conditions fail when there is
+    no live object.
+    """
+    for name in PRECONDITIONS:
+        if name not in conditions:
+            continue
+        try:
+            want = int(conditions[name])
+        except ValueError:
+            return f"{name}={conditions[name]!r} is not a number"
+        if name == "ifGenerationMatch":
+            holds = (obj.generation if obj is not None else 0) == want
+        elif name == "ifGenerationNotMatch":
+            holds = obj is not None and obj.generation != want
+        elif name == "ifMetagenerationMatch":
+            holds = obj is not None and want == METAGENERATION
+        else:
+            holds = obj is not None and want != METAGENERATION
+        if not holds:
+            return name
+    return None
+
+
 @dataclass
 class _Upload:
     bucket: str
     name: str
-    if_generation_match: str | None
+    conditions: dict[str, str]
     data: bytearray
 
 
@@ -47,7 +89,8 @@ class GCSFake:
     def __init__(self) -> None:
         self.buckets: dict[str, dict[str, _Object]] = {}
         self.uploads: dict[str, _Upload] = {}
-        self.finished: dict[str, bytes] = {}
+        #: answers of finished resumable sessions: (status, JSON body)
+        self.finished: dict[str, tuple[int, bytes]] = {}
         self.lock = threading.Lock()
         self._gen = itertools.count(int(time.time() * 1e6))
 
@@ -70,7 +113,7 @@ class GCSFake:
             "bucket": bucket,
             "size": str(len(obj.data)),
             "generation": str(obj.generation),
-            "metageneration": "1",
+            "metageneration": str(METAGENERATION),
             "contentType": "application/octet-stream",
             "crc32c": base64.b64encode(crc).decode(),
             "md5Hash": base64.b64encode(hashlib.md5(obj.data).digest()).decode(),
@@ -82,17 +125,17 @@ class GCSFake:
     def _json(self, doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
         return Response(json.dumps(doc), status=status, content_type="application/json", headers=headers)
 
-    def _store(self, bucket: str, name: str, data: bytes, if_gen: str | None) -> Response:
+    def _not_met(self, failed: str) -> Response:
+        return self._error(412, f"conditionNotMet: At least one of the pre-conditions you specified did not hold ({failed}).")
+
+    def _store(self, bucket: str, name: str, data: bytes, conditions: dict[str, str]) -> Response:
         with self.lock:
             objs = self.buckets.get(bucket)
             if objs is None:
                 return self._error(404, f"bucket {bucket} not found")
-            current = objs.get(name)
-            if if_gen is not None:
-                want = int(if_gen)
-                have = current.generation if current else 0
-                if want != have:
-                    return self._error(412, "conditionNotMet: At least one of the pre-conditions you specified did not hold.")
+            failed = precondition_failure(objs.get(name), conditions)
+            if failed:
+                return self._not_met(failed)
             obj = _Object(bytes(data), next(self._gen), time.time())
             objs[name] = obj
             return self._json(self._meta(bucket, name, obj))
@@ -137,24 +180,28 @@ class GCSFake:
             return self._error(404, f"no route {m} {path}")
         name = tail[2:]
         if m == "GET":
-            return self._get(req, bucket, name, media=(kind == "download" or q.get("alt") == "media"))
+            return self._get(req, bucket, name, q, media=(kind == "download" or q.get("alt") == "media"))
         if m == "DELETE":
             with self.lock:
                 objs = self.buckets.get(bucket, {})
                 obj = objs.get(name)
                 if obj is None:
                     return self._error(404, "No such object")
-                if "ifGenerationMatch" in q and int(q["ifGenerationMatch"]) != obj.generation:
-                    return self._error(412, "conditionNotMet")
+                failed = precondition_failure(obj, q)
+                if failed:
+                    return self._not_met(failed)
                 del objs[name]
             return Response(status=204)
         return self._error(405, "method not allowed")
 
-    def _get(self, req: Request, bucket: str, name: str, *, media: bool) -> Response:
+    def _get(self, req: Request, bucket: str, name: str, q: dict[str, str], *, media: bool) -> Response:
         with self.lock:
             obj = self.buckets.get(bucket, {}).get(name)
         if obj is None:
             return self._error(404, "No such object: " + f"{bucket}/{name}")
+        failed = precondition_failure(obj, q)
+        if failed:
+            return self._not_met(failed)
         if not media:
             return self._json(self._meta(bucket, name, obj))
         data = obj.data
@@ -219,18 +266,23 @@ class GCSFake:
             ctype = req.headers.get("Content-Type", "")
             boundary = ctype.split("boundary=", 1)[-1].strip('"')
             meta, data = _parse_multipart(body, boundary.encode())
-            return self._store(bucket, meta["name"], data, q.get("ifGenerationMatch"))
+            return self._store(bucket, meta["name"], data, _conditions(q))
         if utype == "media":
-            return self._store(bucket, q["name"], req.get_data(), q.get("ifGenerationMatch"))
+            return self._store(bucket, q["name"], req.get_data(), _conditions(q))
         if utype == "resumable":
             meta = req.get_json(silent=True) or {}
             name = str(meta.get("name") or q.get("name") or "")
             uid = secrets.token_hex(12)
+            conditions = _conditions(q)
             with self.lock:
                 if bucket not in self.buckets:
                     return self._error(404, "bucket not found")
-                self.uploads[uid] = _Upload(bucket, name, q.get("ifGenerationMatch"), bytearray())
-            loc = f"{req.host_url.rstrip('/')}/upload/storage/v1/b/{bucket}/o?uploadType=resumable&upload_id={uid}"
+                self.uploads[uid] = _Upload(bucket, name, conditions, bytearray())
+            # GCS's session URL repeats the request's parameters (gcsfs strips
+            # "&ifGenerationMatch=0" from it to cancel); the session keeps the conditions
+            # it was started with, whatever a chunk's URL says
+            params = urlencode({"uploadType": "resumable", "name": name, **conditions}, quote_via=quote)
+            loc = f"{req.host_url.rstrip('/')}/upload/storage/v1/b/{bucket}/o?{params}&upload_id={uid}"
             return Response(b"", status=200, headers={"Location": loc})
         return self._error(400, f"invalid uploadType {utype}")
 
@@ -239,7 +291,7 @@ class GCSFake:
             up = self.uploads.get(uid)
             done = self.finished.get(uid)
         if up is None and done is not None and req.method != "DELETE":
-            return Response(done, status=200, content_type="application/json")
+            return Response(done[1], status=done[0], content_type="application/json")
         if up is None:
             return self._error(404, "upload session not found")
         if req.method == "DELETE":
@@ -259,14 +311,18 @@ class GCSFake:
             if int(b) + 1 != len(up.data):
                 return self._error(400, "Content-Range does not match the body")
         if total != "*" and int(total) == len(up.data):
-            resp = self._store(up.bucket, up.name, bytes(up.data), up.if_generation_match)
+            resp = self._store(up.bucket, up.name, bytes(up.data), up.conditions)
             with self.lock:
                 self.uploads.pop(uid, None)
-                if resp.status_code == 200:  # GCS answers a finished session with its object
-                    self.finished[uid] = resp.get_data()
+                # a finished session answers a repeated final chunk as it did (its object)
+                self.finished[uid] = (resp.status_code, resp.get_data())
             return resp
         headers = {"Range": f"bytes=0-{len(up.data) - 1}"} if up.data else {}
         return Response(b"", status=308, headers=headers)
+
+
+def _conditions(q: dict[str, str]) -> dict[str, str]:
+    return {k: q[k] for k in PRECONDITIONS if k in q}
 
 
 def _parse_multipart(body: bytes, boundary: bytes) -> tuple[dict[str, Any], bytes]:
