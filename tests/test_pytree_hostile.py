@@ -206,3 +206,87 @@ def test_random_trees_round_trip(tree):
     atomicstore.save(url, tree)
     back = atomicstore.restore(url)
     assert _same(tree, back), (tree, back)
+
+
+# -- hostile dtype strings (issue 11, row 11) -------------------------------------------------
+#: each must be refused as data: no SyntaxError, ValueError, UnicodeDecodeError or TypeError
+HOSTILE_DTYPES = ["(,)f4", "(2**3,)f4", "f4,f4", "V8", "O", "<U5", b"\xff\xfe", 5, None, ["f4"],
+                  "float32 ", "a5", "S5", "void", "datetime64[", "f4" * 40]
+
+
+def _committed(st, name: str, files: dict[str, bytes]) -> None:
+    """Commit ``files`` as checkpoint ``name`` (a hostile writer whose manifest is right)."""
+    txn = st.transaction(name)
+    for path, data in files.items():
+        txn.write_bytes(path, data)
+    txn.commit()
+
+
+@pytest.mark.parametrize("dtype", HOSTILE_DTYPES, ids=repr)
+def test_hostile_dtype_in_the_index_names_file_and_leaf(tmp_path, dtype):
+    atomicstore.save(tmp_path / "s" / "good", {"w": np.zeros(2, np.float32)})
+    good = tmp_path / "s" / "good"
+    doc = msgpack.unpackb((good / INDEX_FILE).read_bytes(), raw=False)
+    node = next(n for n in doc["nodes"] if n[0] == 1)
+    node[3] = dtype
+    st = atomicstore.open_store(str(tmp_path / "s"))
+    _committed(st, "bad", {STATE_FILE: (good / STATE_FILE).read_bytes(),
+                           INDEX_FILE: msgpack.packb(doc, use_bin_type=True)})
+    err = restore_err(tmp_path / "s" / "bad", target={"w": np.zeros(2, np.float32)})
+    assert type(err) is atomicstore.CorruptionError, repr(err)
+    assert err.path == INDEX_FILE and err.leaf == "w", (err.path, err.leaf, err)
+    assert INDEX_FILE in str(err) and "leaf w" in str(err)
+
+
+@pytest.mark.parametrize("dtype", HOSTILE_DTYPES, ids=repr)
+def test_hostile_dtype_in_a_legacy_file_names_file_and_leaf(tmp_path, dtype):
+    err = restore_err(legacy(tmp_path, _ext_ndarray([2], dtype, b"\0" * 8)))
+    assert type(err) is atomicstore.CorruptionError, repr(err)
+    assert "ckpt_1" in err.path and err.leaf == "w", (err.path, err.leaf, err)
+    assert "ckpt_1" in str(err) and "leaf w" in str(err)
+
+
+def test_non_utf8_dtype_strings(tmp_path):
+    """A msgpack *str* (not bin) that is not UTF-8: a legacy file names the leaf; in an
+    index msgpack cannot decode the document at all, so the index file is named."""
+    inner = b"\x93\x91\x02\xa2\xff\xfe" + msgpack.packb(b"\0" * 8, use_bin_type=True)
+    err = restore_err(legacy(tmp_path, b"\x81\xa1w" + msgpack.packb(msgpack.ExtType(1, inner))))
+    assert type(err) is atomicstore.CorruptionError and err.leaf == "w" and "ckpt_1" in err.path
+    raw = msgpack.packb({"format": "atomicstore.pytree/1", "state_size": 8,
+                         "nodes": [[1, ["w"], "nd", "f4", [2], 0, 8, 0]]}).replace(b"\xa2f4", b"\xa2\xff\xfe")
+    with pytest.raises(atomicstore.CorruptionError) as info:
+        parse_index(raw, 8, "idx")
+    assert info.value.path == INDEX_FILE
+
+
+@pytest.mark.parametrize("dtype", [d for d in HOSTILE_DTYPES if not isinstance(d, bytes)], ids=repr)
+def test_hostile_dtype_in_arrays_json_names_file_and_leaf(dtype):
+    import json
+    import secrets
+
+    from atomicstore.multiprocess import ARRAYS_FILE, ARRAYS_FORMAT, _Arrays
+
+    st = atomicstore.open_store(f"memory://hostile-{secrets.token_hex(6)}")
+    meta = {"format": ARRAYS_FORMAT, "arrays": [{"key": "w", "dtype": dtype, "shape": [2], "shards": []}]}
+    _committed(st, "ck_gda", {ARRAYS_FILE: json.dumps(meta).encode()})
+    with pytest.raises(atomicstore.AtomicStoreError) as info:
+        _Arrays(st, "ck")
+    err = info.value
+    assert type(err) is atomicstore.CorruptionError, repr(err)
+    assert err.path == ARRAYS_FILE and err.leaf == "w" and ARRAYS_FILE in str(err)
+
+
+def test_every_dtype_the_library_writes_still_parses():
+    from atomicstore.pytree.dtypes import parse_dtype
+
+    written = [*DTYPES, ml_dtypes.int4, ml_dtypes.uint4, ml_dtypes.float8_e4m3b11fnuz, "datetime64[s]",
+               "timedelta64[ns]"]
+    for dt in written:
+        name = np.dtype(dt).name
+        assert parse_dtype(name, path="p", leaf="l") == np.dtype(dt)
+        assert parse_dtype(name.encode(), path="p", leaf="l") == np.dtype(dt)
+    assert parse_dtype(">i8", path="p", leaf=("a", 1)) == np.dtype(">i8")
+    assert parse_dtype("|b1", path="p", leaf="l") == np.dtype(bool)
+    with pytest.raises(atomicstore.CorruptionError, match=r"^f leaf a/1: ") as info:
+        parse_dtype("O", path="p", leaf=("a", 1), where="f")
+    assert info.value.path == "p" and info.value.leaf == "a/1"

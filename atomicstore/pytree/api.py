@@ -22,7 +22,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import google_crc32c
@@ -39,6 +38,7 @@ from ..errors import (
     NotFoundError,
 )
 from . import msgpack_io as mp
+from .dtypes import parse_dtype
 from .tree import Path, children, is_jax_array, path_str, rebuild, walk_leaves
 
 log = logging.getLogger("atomicstore.pytree")
@@ -398,38 +398,6 @@ class Index:
     order: list[tuple[int, Path]]
 
 
-_DTYPES: dict[Any, np.dtype] = {}
-
-
-def _dtype(name: Any, where: str | Callable[[], str]) -> np.dtype:
-    hit = _DTYPES.get(name) if isinstance(name, str | bytes) else None
-    if hit is not None:
-        return hit
-    if callable(where):
-        where = where()
-    dt = _dtype_uncached(name, where)
-    if len(_DTYPES) < 1024:
-        _DTYPES[name] = dt
-    return dt
-
-
-def _dtype_uncached(name: Any, where: str) -> np.dtype:
-    if not isinstance(name, str | bytes):
-        raise CorruptionError(f"{where}: dtype is not a name", leaf=where)
-    name = name.decode() if isinstance(name, bytes) else name
-    try:
-        import ml_dtypes  # noqa: F401 - registers bfloat16, float8_* with numpy
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        dt = np.dtype(name)
-    except TypeError:
-        raise CorruptionError(f"{where}: unknown dtype {name!r}", leaf=where) from None
-    if dt.hasobject or dt.fields is not None:
-        raise CorruptionError(f"{where}: dtype {name!r} is not a plain array dtype", leaf=where)
-    return dt
-
-
 def _shape(shape: Any, where: str) -> tuple[int, ...]:
     if type(shape) is not list and type(shape) is not tuple or len(shape) > 64:
         raise CorruptionError(f"{where}: invalid shape {shape!r}", leaf=where)
@@ -446,10 +414,6 @@ def _path(raw: Any, where: str) -> Path:
         if type(k) is not str and type(k) is not int and type(k) is not bytes:
             raise CorruptionError(f"{where}: invalid key path", path=INDEX_FILE)
     return tuple(raw)
-
-
-def _leaf_where(where: str, p: Path) -> str:
-    return f"{where} leaf {path_str(p)}"
 
 
 def parse_index(raw: bytes, state_size: int, where: str) -> Index:
@@ -481,11 +445,11 @@ def parse_index(raw: bytes, state_size: int, where: str) -> Index:
             if kind in ("nd", "sc", "py"):
                 _, _, _, dtn, shp, off, n, crc = node
                 ranges = [(off, n, crc)]
-                dt = _dtype(dtn, partial(_leaf_where, where, p)) if kind != "py" else None
+                dt = parse_dtype(dtn, path=INDEX_FILE, leaf=p, where=where) if kind != "py" else None
                 shape = _shape(shp, where) if kind != "py" else ()
             elif kind == "ndc":
                 _, _, _, dtn, shp, chunks = node
-                dt, shape = _dtype(dtn, partial(_leaf_where, where, p)), _shape(shp, where)
+                dt, shape = parse_dtype(dtn, path=INDEX_FILE, leaf=p, where=where), _shape(shp, where)
                 if not isinstance(chunks, list):
                     raise TypeError("chunks is not a list")
                 ranges = [tuple(c) for c in chunks]  # type: ignore[misc]
@@ -535,7 +499,7 @@ def index_of_msgpack(read: Callable[[int, int], bytes], size: int, where: str) -
             raise CorruptionError(f"{where} leaf {path_str(p)}: malformed ndarray", path=where, leaf=path_str(p))
         shape, dtn, data = val
         lw = f"{where} leaf {path_str(p)}"
-        dt, shp = _dtype(dtn, lw), _shape(shape, lw)
+        dt, shp = parse_dtype(dtn, path=where, leaf=p), _shape(shape, lw)
         if isinstance(data, mp.Span):
             rng = (span.start + data.start, data.end - data.start, None)
         elif isinstance(data, bytes):
@@ -777,7 +741,8 @@ def _fast_ext(code: int, data: bytes) -> Any:
         pair = msgpack.unpackb(data)
         return complex(pair[0], pair[1])
     shape, name, buf = msgpack.unpackb(data, raw=False)
-    arr = np.frombuffer(buf, dtype=_dtype(name, "state")).reshape(shape).copy()
+    dt = parse_dtype(name, path=STATE_FILE, leaf="?")  # any error: the indexed path names the leaf
+    arr = np.frombuffer(buf, dtype=dt).reshape(shape).copy()
     return arr[()] if code == EXT_NPSCALAR else arr
 
 
