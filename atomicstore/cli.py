@@ -125,7 +125,14 @@ def cmd_ls(args: argparse.Namespace, out: _Out) -> int:
     rows: list[dict[str, Any]] = []
     names = st.list()
     for name in names:
-        man = st.manifest(name)
+        try:
+            man = st.manifest(name)
+        except NotFoundError:
+            continue  # deleted since the listing
+        except CorruptionError as exc:  # committed, but its manifest cannot be read
+            rows.append({"name": name, "step": _step(name), "kind": "damaged", "bytes": None,
+                         "files": None, "committed": None, "why": _first_line(str(exc))})
+            continue
         rows.append({"name": name, "step": _step(name), "kind": "checkpoint", "bytes": man.total_bytes,
                      "files": len(man.files), "committed": man.committed or man.created})
     for name in _flax_files(st, set(names)):
@@ -144,6 +151,10 @@ def cmd_ls(args: argparse.Namespace, out: _Out) -> int:
         else:
             print(f"{'NAME':32} {'STEP':>10} {'SIZE':>11} {'FILES':>6} {'AGE':>7}  KIND")
             for r in rows:
+                if r["kind"] == "damaged":
+                    print(f"{r['name']:32} {r['step'] or '-':>10} {'?':>11} {'?':>6} {'?':>7}  "
+                          f"damaged: {r['why']}")
+                    continue
                 print(f"{r['name']:32} {r['step'] or '-':>10} {_size(r['bytes']):>11} {r['files']:>6} "
                       f"{_age(r['committed']):>7}  {r['kind']}")
         if args.all:
@@ -156,6 +167,10 @@ def cmd_ls(args: argparse.Namespace, out: _Out) -> int:
 
     out.emit(doc, human)
     return EXIT_OK
+
+
+def _first_line(msg: str) -> str:
+    return msg.strip().splitlines()[0] if msg.strip() else "unreadable"
 
 
 def _bad_leaf(st: Store, name: str) -> str | None:

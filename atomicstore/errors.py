@@ -26,7 +26,20 @@ class NotFoundError(AtomicStoreError, FileNotFoundError):
 
 
 class AlreadyExistsError(AtomicStoreError, FileExistsError):
-    """A file or checkpoint that must not be replaced already exists."""
+    """A file or checkpoint that must not be replaced already exists.
+
+    ``retried`` is True when atomicstore's own retry policy got this answer on a retry of
+    a request whose earlier try may have been applied (its reply was lost). False does not
+    prove the opposite (an HTTP client may re-send a PUT on its own), so callers that can
+    reconcile by reading the object back always do.
+    """
+
+    retried: bool = False
+
+
+class PreconditionFailedError(AlreadyExistsError):
+    """A conditional write or delete found another generation of the object than the one
+    it was conditioned on (someone else wrote or removed it since it was read)."""
 
 
 class CommitConflictError(AlreadyExistsError):
@@ -89,6 +102,7 @@ __all__ = [
     "InvalidArgumentError",
     "LeaseLostError",
     "NotFoundError",
+    "PreconditionFailedError",
     "StorageError",
     "StorageTimeoutError",
     "TransactionError",

@@ -2,11 +2,12 @@
 
 Steps are discovered from storage (committed checkpoints only), never from a cache. Save
 semantics follow ``flax.training.checkpoints``: without ``overwrite`` a step that is not
-newer than every existing one is refused; with ``overwrite`` newer ones are removed and
-the same step replaced atomically. Retention keeps the newest ``keep`` (or the best
-``keep`` by ``best_fn``), one every ``keep_every_n_steps``, and every milestone; an
-ephemeral checkpoint is removed as soon as a newer non-ephemeral one commits. Retention
-runs only after the new checkpoint is committed.
+newer than every existing one is refused; with ``overwrite`` the same step is replaced
+atomically and newer ones are removed once it committed. Retention keeps the newest
+``keep`` (or the best ``keep`` by ``best_fn``), one every ``keep_every_n_steps``, and every
+milestone; an ephemeral checkpoint is removed as soon as a newer non-ephemeral one commits.
+Retention runs only after the new checkpoint is committed, and never deletes (nor counts)
+a step whose metadata it cannot read.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ import numpy as np
 
 from .commit import Store, open_store
 from .commit.names import natural_key
-from .errors import AtomicStoreError, InvalidArgumentError, NotFoundError
+from .errors import (
+    AtomicStoreError,
+    CorruptionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PreconditionFailedError,
+)
 from .pytree.api import restore as _restore
 from .pytree.api import save as _save
 from .pytree.tree import is_jax_array, rebuild
@@ -76,8 +83,8 @@ class CheckpointManager:
         best_fn: ``metrics -> float``; with it, the ``keep`` best are kept (ties and
             checkpoints without metrics count as worst).
         best_mode: ``"max"`` or ``"min"``.
-        overwrite: allow saving a step that is not newer than the latest (newer ones are
-            removed; the same step is replaced atomically).
+        overwrite: allow saving a step that is not newer than the latest (the same step is
+            replaced atomically; newer ones are removed once the new step committed).
         async_save: write and commit in a background thread; ``save`` returns once the
             state is snapshotted (jax arrays copied to host, numpy arrays copied unless
             ``save(..., copy=False)`` promises not to mutate them).
@@ -152,9 +159,9 @@ class CheckpointManager:
     def metadata(self, step: Step) -> dict[str, Any]:
         """The metadata saved with ``step``: ``user``, ``metrics``, ``items``,
         ``started`` and ``committed`` (Unix times), ``version``, ``milestone``,
-        ``ephemeral``, ``step``."""
+        ``ephemeral``, ``step``, and ``attempt`` (the id of the save that committed it)."""
         man = self.store.manifest(self._name(_check_step(step)))
-        return {**man.metadata, "committed": man.committed}
+        return {**man.metadata, "committed": man.committed, "attempt": man.attempt}
 
     # -- saving ------------------------------------------------------------------------
     def save(
@@ -222,24 +229,52 @@ class CheckpointManager:
 
     def _save_now(self, step: Step, tree: Any, meta: dict, newer: list[Step]) -> None:
         t0 = time.monotonic()
-        for s in newer:
-            if s != step:
-                self.store.delete(self._name(s))  # flax: overwriting removes newer steps
         _save(f"{self.store.url}/{self._name(step)}", tree, store=self.store, metadata=meta,
               overwrite=step in newer)
         dt = time.monotonic() - t0
         _record(WRITE_EVENT, dt)
         log.info("saved step %s in %.3fs", step, dt)
-        self._retain(step)
+        # flax: overwriting removes newer steps, here only once the new step committed
+        for s in newer:
+            if s != step:
+                try:
+                    self.store.delete(self._name(s))
+                except NotFoundError:
+                    pass  # deleted by someone else meanwhile
+        self._retain(step, meta)
 
-    def _retain(self, new_step: Step) -> None:
-        """Apply retention after ``new_step`` committed."""
-        steps = self.all_steps()
-        metas = {s: self.metadata(s) for s in steps}
+    def _readable_metadata(self, steps: list[Step]) -> dict[Step, dict[str, Any]]:
+        """The metadata of each step retention can read. A step deleted since the listing
+        is left out silently; one whose manifest cannot be read is left out with a warning
+        (retention keeps it: see "Unreadable steps" in docs/manager.md)."""
+        metas: dict[Step, dict[str, Any]] = {}
+        for s in steps:
+            try:
+                metas[s] = self.metadata(s)
+            except NotFoundError:
+                continue
+            except CorruptionError as exc:
+                if self._gone(s):
+                    continue  # deleted between reading its marker and its manifest
+                log.warning("retention keeps checkpoint %s: its metadata cannot be read, so it is "
+                            "neither deleted nor counted towards keep (%s)", self._name(s), exc)
+        return metas
+
+    def _gone(self, step: Step) -> bool:
+        try:
+            return not self.store.exists(self._name(step))
+        except AtomicStoreError:
+            return False
+
+    def _retain(self, new_step: Step, new_meta: dict[str, Any]) -> None:
+        """Apply retention after ``new_step`` (saved with ``new_meta``) committed. Steps
+        whose metadata cannot be read are never deleted nor counted towards ``keep``."""
+        metas = self._readable_metadata(self.all_steps())
+        steps = list(metas)
         drop: set[Step] = set()
         # ephemeral checkpoints go once a newer non-ephemeral one exists
         for s in steps:
-            if metas[s].get("ephemeral") and s != new_step and not metas[new_step].get("ephemeral") and s < new_step:
+            if metas[s].get("ephemeral") and not new_meta.get("ephemeral") and s < new_step:
                 drop.add(s)
         candidates = [s for s in steps if s not in drop and not metas[s].get("milestone")
                       and not metas[s].get("ephemeral")]
@@ -263,9 +298,9 @@ class CheckpointManager:
                 continue
             drop.add(s)
         for s in sorted(drop, key=lambda s: natural_key(str(s))):
-            try:
-                self.store.delete(self._name(s))
-            except NotFoundError:
+            try:  # only the checkpoint retention judged: never a newer one of that name
+                self.store.delete(self._name(s), if_attempt=metas[s]["attempt"])
+            except (NotFoundError, PreconditionFailedError):
                 pass
 
     # -- restoring ---------------------------------------------------------------------

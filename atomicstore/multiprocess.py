@@ -35,6 +35,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -43,7 +44,14 @@ import numpy as np
 
 from .commit import Store
 from .commit.manifest import crc32c
-from .errors import CoordinationError, CorruptionError, InvalidArgumentError, NotFoundError
+from .errors import (
+    CommitConflictError,
+    CoordinationError,
+    CorruptionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from .pytree.dtypes import parse_dtype
 from .pytree.tree import Path, is_jax_array, rebuild, walk_leaves
 
 log = logging.getLogger("atomicstore.multiprocess")
@@ -223,8 +231,15 @@ def _save_main(coord: _Coordinator, st: Store, prefix: str, name: str, path: str
     txn = None
     try:
         compat._check_newer(st, prefix, name, path, name[len(prefix):], overwrite)
-        # a committed _gda without its main file is an orphan of a crash: replace it
-        txn = st.transaction(gda, overwrite=overwrite or st.exists(gda))
+        try:
+            txn = st.transaction(gda, overwrite=overwrite)
+        except CommitConflictError:
+            raise CommitConflictError(
+                f"step {name} is being saved (or was saved) by another job: {gda} is committed. "
+                "If a crashed save left it without its main file, recovery removes it after "
+                "its grace period; pass overwrite=True to replace it",
+                name=gda,
+            ) from None
         coord.put("plan", {"prefix": txn.prefix})
         reports = [{"files": _write_shards(st, txn.prefix, shards)}]
         for i in range(1, coord.count):
@@ -241,6 +256,7 @@ def _save_main(coord: _Coordinator, st: Store, prefix: str, name: str, path: str
         _check_coverage(meta, where=st.driver.describe(gda))
         txn.write_bytes(ARRAYS_FILE, json.dumps(meta).encode())
         txn.commit()
+        state = _bind(state, txn.attempt)  # the main file names the arrays' attempt
         with st.one_file(name, overwrite=overwrite) as f:  # the commit point of the step
             StateWriter(state, sort_keys=False).write(f)
     except BaseException as exc:
@@ -251,6 +267,22 @@ def _save_main(coord: _Coordinator, st: Store, prefix: str, name: str, path: str
             txn.abort()
         coord.put("outcome", {"ok": False, "error": why})
         raise
+
+
+def _bind(state: Any, attempt: str) -> Any:
+    """``state`` with every placeholder naming the ``_gda`` attempt its arrays are in."""
+    return rebuild(state, lambda _p, v: f"{v}@{attempt}"
+                   if isinstance(v, str) and v.startswith(MP_ARRAY_PH) else v)
+
+
+_BOUND = re.compile(r"(?s)(.*)@(\d{8}T\d{6}-[0-9a-f]{12})")
+
+
+def _parse_placeholder(leaf: str) -> tuple[str, str | None]:
+    """(array key, ``_gda`` attempt or None for files written before attempts were named)."""
+    body = leaf[len(MP_ARRAY_PH):]
+    m = _BOUND.fullmatch(body)
+    return (m.group(1), m.group(2)) if m else (body, None)
 
 
 def _save_other(coord: _Coordinator, st: Store, name: str, shards: list[dict], deadline: float) -> None:
@@ -295,7 +327,7 @@ class _Arrays:
             assert meta["format"] == ARRAYS_FORMAT
             self.arrays = {a["key"]: a for a in meta["arrays"]}
             for a in self.arrays.values():
-                a["dtype_"] = np.dtype(a["dtype"])
+                a["dtype_"] = parse_dtype(a["dtype"], path=ARRAYS_FILE, leaf=str(a["key"]), where=where)
                 a["shape"] = tuple(int(n) for n in a["shape"])
                 for s in a["shards"]:
                     if len(s["start"]) != len(a["shape"]) or len(s["shape"]) != len(a["shape"]):
@@ -370,7 +402,12 @@ def restore_placeholders(st: Store, name: str, tree: Any, target: Any, *, allow_
     def fill(path: Path, leaf: Any) -> Any:
         if not (isinstance(leaf, str) and leaf.startswith(MP_ARRAY_PH)):
             return leaf
-        key = leaf[len(MP_ARRAY_PH):]
+        key, attempt = _parse_placeholder(leaf)
+        if attempt is not None and attempt != arrays.ckpt.manifest.attempt:
+            raise CorruptionError(
+                f"{st.driver.describe(name)} was saved with the arrays of attempt {attempt}, but "
+                f"{name}{MP_ARRAY_POSTFIX} holds attempt {arrays.ckpt.manifest.attempt} (another "
+                "job replaced them): refusing to mix two saves", path=name, leaf=key)
         a = arrays.info(key)
         t: Any = str_targets.get(tuple(str(k) for k in path))
         sharding = getattr(t, "sharding", None)

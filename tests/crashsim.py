@@ -91,17 +91,23 @@ class CrashingDriver(Driver):
         self.crasher.read()
         return self.inner
 
-    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
-        return _CrashingWriter(self._m("open", key).open_writer(key, exclusive=exclusive), self.crasher, key)
+    def open_writer(self, key: str, *, exclusive: bool = False, if_generation: str | None = None) -> Writer:
+        inner = self._m("open", key).open_writer(key, exclusive=exclusive, if_generation=if_generation)
+        return _CrashingWriter(inner, self.crasher, key)
 
-    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
-        self._m("put", key).put(key, data, exclusive=exclusive)
+    def put(self, key: str, data: bytes, *, exclusive: bool = False,
+            if_generation: str | None = None) -> str | None:
+        return self._m("put", key).put(key, data, exclusive=exclusive, if_generation=if_generation)
 
-    def put_volatile(self, key: str, data: bytes) -> None:
-        self._m("put", key).put_volatile(key, data)
+    def put_volatile(self, key: str, data: bytes, *, if_generation: str | None = None) -> str | None:
+        return self._m("put", key).put_volatile(key, data, if_generation=if_generation)
 
-    def delete(self, key: str) -> None:
-        self._m("delete", key).delete(key)
+    def delete(self, key: str, *, if_generation: str | None = None) -> None:
+        self._m("delete", key).delete(key, if_generation=if_generation)
+
+    def lock(self, timeout: float = 60.0) -> Any:
+        self.crasher.read()
+        return self.inner.lock(timeout)
 
     def delete_tree(self, prefix: str) -> None:
         # one step per object, as the backends delete them
@@ -218,6 +224,11 @@ def fsync_site(kind: str, key: str) -> str:
     return "dir: single-file put parent"
 
 
+def _gen(node: Any) -> str | None:
+    """A model file's generation: its identity (a replaced file is a new node)."""
+    return None if node is None else f"n{id(node)}"
+
+
 class _ModelWriter(Writer):
     def __init__(self, drv: PosixModelDriver, key: str, node: _File) -> None:
         self.drv, self.key, self.node = drv, key, node
@@ -281,8 +292,8 @@ class PosixModelDriver(Driver):
                 raise AlreadyExistsError(f"not a directory: {key}")
             node = nxt
 
-    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
-        assert not exclusive, "the model is a rename backend: exclusive files are staged and renamed"
+    def open_writer(self, key: str, *, exclusive: bool = False, if_generation: str | None = None) -> Writer:
+        assert not exclusive and if_generation is None, "the model stages and renames instead"
         self.makedirs(posixpath.dirname(key))
         parent, name = self._parent(key)
         self.crasher.step("creat", key)
@@ -291,10 +302,11 @@ class PosixModelDriver(Driver):
         parent.entries[name] = node
         return _ModelWriter(self, key, node)
 
-    def put_volatile(self, key: str, data: bytes) -> None:
-        self.put(key, data, durable=False)
+    def put_volatile(self, key: str, data: bytes, *, if_generation: str | None = None) -> str | None:
+        return self.put(key, data, durable=False, if_generation=if_generation)
 
-    def put(self, key: str, data: bytes, *, exclusive: bool = False, durable: bool = True) -> None:
+    def put(self, key: str, data: bytes, *, exclusive: bool = False, durable: bool = True,
+            if_generation: str | None = None) -> str | None:
         self.makedirs(posixpath.dirname(key))
         parent, name = self._parent(key)
         tmp = f".{name}.put-1-00"
@@ -316,10 +328,17 @@ class PosixModelDriver(Driver):
             self.crasher.step("unlink", tmp)
             del parent.entries[tmp]
         else:
+            if if_generation is not None and _gen(parent.entries.get(name)) != if_generation:
+                from atomicstore.errors import PreconditionFailedError
+
+                self.crasher.step("unlink", tmp)
+                del parent.entries[tmp]
+                raise PreconditionFailedError(f"changed: {key}")
             self.crasher.step("rename", key)
             parent.entries[name] = parent.entries.pop(tmp)
         if durable:
             self.fsync_dir(posixpath.dirname(key))
+        return _gen(node)
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         self.crasher.read()
@@ -333,7 +352,7 @@ class PosixModelDriver(Driver):
         node = self._lookup(key)
         if not isinstance(node, _File):
             raise NotFoundError(f"is a directory: {key}")
-        return FileInfo(key, len(node.data), None, node.mtime)
+        return FileInfo(key, len(node.data), None, node.mtime, _gen(node))
 
     def exists(self, key: str) -> bool:
         self.crasher.read()
@@ -371,12 +390,16 @@ class PosixModelDriver(Driver):
         walk(start, prefix)
         return out
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str, *, if_generation: str | None = None) -> None:
         try:
             parent, name = self._parent(key)
         except NotFoundError:
             return
         if name in parent.entries:
+            if if_generation is not None and _gen(parent.entries[name]) != if_generation:
+                from atomicstore.errors import PreconditionFailedError
+
+                raise PreconditionFailedError(f"changed: {key}")
             if isinstance(parent.entries[name], _Dir):
                 return self.delete_tree(key)
             self.crasher.step("unlink", key)

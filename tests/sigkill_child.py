@@ -50,13 +50,15 @@ def main() -> None:
                 if point == "after-commit":
                     pause(point)
 
-            def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+            def put(self, key: str, data: bytes, *, exclusive: bool = False,
+                    if_generation: str | None = None) -> str | None:
                 is_marker = key.endswith("commit_success.txt")
                 if is_marker and point == "before-commit":
                     pause(point)
-                super().put(key, data, exclusive=exclusive)
+                gen = super().put(key, data, exclusive=exclusive, if_generation=if_generation)
                 if is_marker and point == "after-commit":
                     pause(point)
+                return gen
 
         drv = Pausing(base.fs, base.root, url=base.url)
         store = atomicstore.Store(drv, lease_ttl=1.0)

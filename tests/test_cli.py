@@ -66,6 +66,23 @@ def test_ls_verify_inspect_rm(populated):
     assert "no checkpoint" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_ls_lists_a_damaged_checkpoint_with_the_reason(populated):
+    """Issue 11 row 8: a committed checkpoint whose manifest cannot be read is listed as
+    damaged, with why, next to the good ones (not an error for the whole listing)."""
+    b, o = populated, opts(populated)
+    st = b.open()
+    prefix, _ = st.strategy.resolve("checkpoint_1")
+    st.driver.put(f"{prefix}/manifest.json", b"\x00not a manifest")  # garbage over the manifest
+    out = json.loads(cli("ls", b.url, "--all", "--json", *o).stdout)
+    rows = {r["name"]: r for r in out["checkpoints"]}
+    assert rows["checkpoint_1"]["kind"] == "damaged" and "manifest" in rows["checkpoint_1"]["why"]
+    assert rows["checkpoint_2"]["kind"] == "checkpoint" and rows["checkpoint_2"]["files"] == 2
+    human = cli("ls", b.url, "--all", *o).stdout
+    line = next(ln for ln in human.splitlines() if ln.startswith("checkpoint_1"))
+    assert "damaged:" in line and "manifest" in line
+    assert "checkpoint_3" in human  # the uncommitted save is still reported
+
+
 def test_recover_dry_run_then_real(populated):
     b, o = populated, opts(populated)
     time.sleep(1.0)  # the dead writer's lease (0.5 s) expires

@@ -242,3 +242,70 @@ def test_process_killed_during_async_save_leaves_only_committed_steps(tmp_path):
     assert np.array_equal(mgr.restore(1)["w"], np.arange(10))
     assert any(a.kind == "attempt" for a in report.actions), report.summary()  # the half-written save
     assert not store.recover(now=time.time() + 10**7).actions
+
+
+# -- issue 11, rows 7 and 8 -------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["force", "overwrite", "async"])
+def test_failed_overwrite_keeps_the_newer_steps(backend, how):
+    """Row 7: newer steps are removed only after the new step committed."""
+    mgr = CheckpointManager(backend.url, storage_options=backend.options, keep=5,
+                            overwrite=how == "overwrite", async_save=how == "async")
+    for s in (1, 2, 3):
+        mgr.save(s, tree(s))
+    mgr.wait_until_finished()
+    force = how != "overwrite"
+    for step, bad in ((2, {"w": np.array([object()])}), (1.5, {"w": object()})):  # unsupported leaves
+        with pytest.raises(atomicstore.AtomicStoreError):
+            mgr.save(step, bad, force=force)
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2, 3]
+        assert mgr.restore(3)["step"] == 3 and mgr.restore(2)["step"] == 2
+    mgr.save(2, tree(20), force=force)  # a save that commits does remove the newer ones
+    mgr.close()
+    assert mgr.all_steps() == [1, 2] and mgr.restore(2)["step"] == 20
+
+
+def _garble_manifest(store: atomicstore.Store, name: str) -> None:
+    """Write garbage over the committed manifest of ``name`` (the attempt's, on object stores)."""
+    prefix, _ = store.strategy.resolve(name)
+    store.driver.put(f"{prefix}/manifest.json", b"\x00not a manifest")
+
+
+def test_unreadable_step_is_kept_uncounted_and_warned_about(backend, caplog):
+    """Row 8: later saves succeed; retention never deletes a step it cannot read, does not
+    count it towards keep, and names it in a warning each time."""
+    mgr = CheckpointManager(backend.url, storage_options=backend.options, keep=2)
+    for s in (1, 2, 3):
+        mgr.save(s, tree(s))
+    assert mgr.all_steps() == [2, 3]
+    _garble_manifest(mgr.store, "checkpoint_2")
+    with pytest.raises(atomicstore.CorruptionError):
+        mgr.metadata(2)
+    with caplog.at_level("WARNING", logger="atomicstore.manager"):
+        mgr.save(4, tree(4))  # keeps 3 and 4 (2 is not counted)
+        mgr.save(5, tree(5))  # keeps 4 and 5; 2 is still never deleted
+    assert mgr.all_steps() == [2, 4, 5]
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "checkpoint_2" in r.getMessage()]
+    assert len(warned) == 2, caplog.text
+    assert mgr.restore()["step"] == 5
+
+
+def test_step_deleted_during_retention_is_skipped(backend):
+    """Row 8: a checkpoint another process deletes between the listing and the read."""
+    other = backend.open()
+    armed = []
+
+    class Racing(CheckpointManager):
+        def metadata(self, step):
+            if armed and step == 2:
+                armed.clear()
+                other.delete("checkpoint_2")  # another process, just after our listing
+            return super().metadata(step)
+
+    mgr = Racing(backend.url, storage_options=backend.options, keep=3)
+    for s in (1, 2, 3):
+        mgr.save(s, tree(s))
+    armed.append(True)
+    mgr.save(4, tree(4))  # retention lists 1..4; 2 vanishes before it is read
+    assert not armed and mgr.all_steps() == [1, 3, 4]
+    assert mgr.restore()["step"] == 4

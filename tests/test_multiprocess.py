@@ -160,3 +160,35 @@ def test_orphaned_gda_is_removed_by_recovery(tmp_path, request):
     assert any("_gda" in a.target for a in report.actions), report.summary()
     assert not st.driver.exists("checkpoint_4.0_gda")
     assert ROWS == 64
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_second_job_on_a_step_being_committed_conflicts(kind, request, tmp_path):
+    """Issue 11, row 3: job A is between its two commits (its _gda committed, its main
+    file not yet) when job B saves the same step without overwrite: B must get a conflict
+    and leave A's arrays alone (it used to switch to overwrite silently)."""
+    url, opts = where(kind, request, tmp_path)
+    st = atomicstore.open_store(url, **opts)
+    with st.transaction("checkpoint_5.0_gda") as txn:
+        txn.write_bytes("arrays.json", b'{"format": "atomicstore.gda/1", "arrays": []}')
+    first = st.manifest("checkpoint_5.0_gda").attempt
+    res = run(2, "save", "5", url, opts, tmp_path)
+    assert "CommitConflictError" in (res[0].get("error") or ""), res[0]
+    assert "CoordinationError" in (res[1].get("error") or ""), res[1]
+    assert st.manifest("checkpoint_5.0_gda").attempt == first  # job A's arrays untouched
+    assert not st.driver.exists("checkpoint_5.0")
+
+
+def test_restore_refuses_arrays_of_another_attempt(tmp_path, request):
+    """Issue 11, row 3: a main file and the arrays it restores come from the same attempt.
+    Another job replaced the _gda (overwrite) and died before its main file: restoring
+    must refuse, naming both attempts, instead of mixing two saves."""
+    url, opts = where("local", request, tmp_path)
+    ok(run(2, "save", "6", url, opts, tmp_path))
+    st = atomicstore.open_store(url)
+    old = st.open("checkpoint_6.0_gda")
+    with st.transaction("checkpoint_6.0_gda", overwrite=True) as txn:
+        for p in old.files:
+            txn.write_bytes(p, old.read_bytes(p))
+    with pytest.raises(atomicstore.CorruptionError, match="another job replaced"):
+        ck.restore_checkpoint(url, None, step=6.0)

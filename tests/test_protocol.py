@@ -17,6 +17,7 @@ from atomicstore import (
     NotFoundError,
     TransactionError,
 )
+from atomicstore.drivers.local import LOCK_KEY
 
 MiB = 2**20
 
@@ -26,7 +27,8 @@ def payload(n: int, seed: int = 0) -> bytes:
 
 
 def all_keys(store: atomicstore.Store) -> set[str]:
-    return set(store.driver.find(""))
+    """Every object under the root but the store's lock file (local disk keeps it)."""
+    return set(store.driver.find("")) - {LOCK_KEY}
 
 
 # -- acceptance 1: commit, list, read back, verify, delete --------------------------------

@@ -15,9 +15,10 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from ..drivers.base import Driver
-from ..errors import CorruptionError, LeaseLostError, NotFoundError
+from ..errors import CorruptionError, LeaseLostError, NotFoundError, PreconditionFailedError
 from .names import RESERVED_DIR
 
 log = logging.getLogger("atomicstore.commit")
@@ -53,52 +54,95 @@ def read_lease_ttl(driver: Driver, key: str) -> float:
 
 
 class Lease:
-    """The lease of one attempt, renewed by a heartbeat thread until released."""
+    """The lease of one attempt, renewed by a heartbeat thread until released.
 
-    def __init__(self, driver: Driver, name: str, attempt: str, writer: str, ttl: float) -> None:
+    Every renewal is a conditional write on the generation this lease last wrote, so a
+    lease that recovery removed (or anything else replaced) is never written back; and a
+    lease that expired by the writer's own clock is never renewed at all: a writer that
+    was paused past its ttl (a frozen VM, SIGSTOP) stays dead.
+    """
+
+    def __init__(self, driver: Driver, name: str, attempt: str, writer: str, ttl: float,
+                 clock: Callable[[], float] = time.time) -> None:
         self.driver = driver
         self.key = lease_key(name, attempt)
         self.name, self.attempt, self.writer, self.ttl = name, attempt, writer, ttl
+        self.clock = clock
         self.expires = 0.0
+        self.generation: str | None = None
         self.error: BaseException | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # a renewal and a check never interleave
         self._thread: threading.Thread | None = None
 
-    def _doc(self) -> bytes:
+    def _doc(self, now: float) -> bytes:
         return json.dumps(
             {"name": self.name, "attempt": self.attempt, "writer": self.writer, "ttl": self.ttl,
-             "renewed": time.time()}
+             "renewed": now}
         ).encode()
 
     def acquire(self) -> None:
-        start = time.time()
-        self.driver.put_volatile(self.key, self._doc())  # a lease needs no fsync
+        start = self.clock()
+        self.generation = self.driver.put_volatile(self.key, self._doc(start))  # no fsync needed
         self.expires = start + self.ttl
         self._thread = threading.Thread(target=self._heartbeat, name=f"lease-{self.name}", daemon=True)
         self._thread.start()
 
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            start = time.time()
+    def renew(self) -> None:
+        """Extend the lease by ``ttl`` from now, unless it is lost or already expired
+        (then :attr:`error` says why and it is never renewed again)."""
+        with self._lock:
+            if self.error is not None:
+                return
+            start = self.clock()
             try:
-                if not self.driver.exists(self.key):
-                    raise NotFoundError(f"lease {self.driver.describe(self.key)} was removed")
-                self.driver.put_volatile(self.key, self._doc())
-                self.expires = start + self.ttl
+                if start >= self.expires:
+                    raise LeaseLostError(f"lease {self.driver.describe(self.key)} expired before "
+                                         "it could be renewed (the writer was paused)", name=self.name)
+                doc = self._doc(start)
+                try:
+                    gen = self.driver.put_volatile(self.key, doc, if_generation=self.generation)
+                except PreconditionFailedError:
+                    gen = self._landed(doc)  # our own renewal, its reply lost and re-sent?
             except Exception as exc:  # noqa: BLE001 - remembered, raised at commit
                 log.warning("lease of %s lost: %s", self.driver.describe(self.name), exc)
                 self.error = exc
                 return
+            self.generation = gen
+            self.expires = start + self.ttl
+
+    def _landed(self, doc: bytes) -> str | None:
+        """The generation of the lease if it holds exactly ``doc`` (a renewal whose reply
+        was lost, then refused on retry), else re-raise the conflict."""
+        info = self.driver.info(self.key)
+        if self.driver.read(self.key) != doc:
+            raise PreconditionFailedError(f"lease {self.driver.describe(self.key)} was replaced")
+        return info.generation
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            self.renew()
+            if self.error is not None:
+                return
 
     def check(self) -> None:
-        """Raise :class:`LeaseLostError` unless the lease is still ours and unexpired."""
-        why = None
-        if self.error is not None:
-            why = f"renewal failed: {self.error}"
-        elif time.time() >= self.expires:
-            why = "it expired"
-        elif not self.driver.exists(self.key):
-            why = "recovery removed it (this writer was declared dead)"
+        """Raise :class:`LeaseLostError` unless the lease is still ours and unexpired:
+        not expired by this writer's clock, and still stored at the generation it wrote
+        (read afresh)."""
+        with self._lock:
+            why = None
+            if self.error is not None:
+                why = f"renewal failed: {self.error}"
+            elif self.clock() >= self.expires:
+                why = "it expired"
+            else:
+                try:
+                    gen = self.driver.info(self.key).generation
+                except NotFoundError:
+                    why = "recovery removed it (this writer was declared dead)"
+                else:
+                    if self.generation is not None and gen != self.generation:
+                        why = "it was replaced by another process"
         if why:
             raise LeaseLostError(
                 f"refusing to commit {self.driver.describe(self.name)}: the lease of attempt "
@@ -113,7 +157,7 @@ class Lease:
             self._thread.join(timeout=5)
 
     def release(self) -> None:
-        """Stop renewing and remove the lease object."""
+        """Stop renewing and remove the lease object (its key is this attempt's alone)."""
         self.stop()
         try:
             self.driver.delete(self.key)

@@ -8,11 +8,13 @@ appearing under its name is the commit point:
   ``RENAME_EXCHANGE`` with an existing one when overwriting), fsync the parent. Staging
   lives in the reserved directory so that flax's own listing never sees it; recovery
   removes it like any staged attempt once its lease is dead.
-* object stores: stream straight to ``<name>`` as one upload (multipart or resumable);
-  the object becomes visible in one step when the upload completes, and with
-  ``overwrite=False`` completes only if nothing is there (``If-None-Match: *`` on S3,
-  ``ifGenerationMatch=0`` on GCS), so of two writers exactly one commits. An interrupted
-  upload is invisible; recovery aborts it on S3, GCS expires it.
+* object stores: under a lease, stream straight to ``<name>`` as one upload (multipart
+  or resumable); the object becomes visible in one step when the upload completes, and
+  completes only if ``<name>`` is still what the save read when it began: absent
+  (``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS), or, for an overwrite, the
+  same generation (``If-Match: <etag>``, ``ifGenerationMatch=<generation>``). So of two
+  writers exactly one commits. An interrupted upload is invisible; recovery aborts it on
+  S3 once no live lease of ``<name>`` remains, GCS expires it.
 
 ``docs/commit-protocol.md`` ("One-file checkpoints") walks each step.
 """
@@ -24,7 +26,14 @@ import posixpath
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from ..errors import AlreadyExistsError, CommitConflictError, NotFoundError, TransactionError
+from ..errors import (
+    AlreadyExistsError,
+    CommitConflictError,
+    InvalidArgumentError,
+    LeaseLostError,
+    NotFoundError,
+    TransactionError,
+)
 from .lease import Lease
 from .names import validate_name
 from .strategies import STAGING, new_attempt_id
@@ -41,36 +50,50 @@ class OneFileCommit:
     ``write`` accepts ``crc32c=`` like :class:`~atomicstore.TransactionFile` (ignored:
     a one-file checkpoint carries no manifest). Leaving the block normally commits;
     an exception discards everything. Raises :class:`~atomicstore.CommitConflictError`
-    if ``name`` exists and ``overwrite`` is False (also when another writer wins).
+    if ``name`` exists and ``overwrite`` is False (also when another writer wins), and
+    when overwriting, if ``name`` changed since this commit began (compare-and-swap on
+    the generation read then). A lease protects the save from recovery on every backend.
     """
 
     def __init__(self, store: Store, name: str, *, overwrite: bool = False) -> None:
         validate_name(name)
+        if not isinstance(overwrite, bool):
+            raise InvalidArgumentError("overwrite must be a bool")
         self.store, self.name, self.overwrite = store, name, overwrite
         self.attempt = new_attempt_id()
         self.bytes_written = 0
         self._done = False
         d = store.driver
         self.staged = d.capabilities.atomic_rename
-        self._lease: Lease | None = None
         if not overwrite and d.exists(name):
             raise self._conflict()
-        if self.staged:
-            self.key = f"{STAGING}/{name}.{self.attempt}"
-            self._lease = Lease(d, name, self.attempt, store.writer_id, store.lease_ttl)
-            self._lease.acquire()
-            try:
+        #: the generation an overwrite replaces (None: nothing may be there)
+        self.expected = self._generation() if overwrite else None
+        self._lease = Lease(d, name, self.attempt, store.writer_id, store.lease_ttl, store.clock)
+        self._lease.acquire()
+        try:
+            if self.staged:
+                self.key = f"{STAGING}/{name}.{self.attempt}"
                 self._w = d.open_writer(self.key)
-            except BaseException:
-                self._lease.release()
-                raise
-        else:
-            self.key = name
-            self._w = d.open_writer(name, exclusive=not overwrite)
+            else:  # the upload's completion is the commit point, conditional on what was read
+                self.key = name
+                self._w = d.open_writer(name, exclusive=self.expected is None,
+                                        if_generation=self.expected)
+        except BaseException:
+            self._lease.release()
+            raise
+
+    def _generation(self) -> str | None:
+        try:
+            return self.store.driver.info(self.name).generation
+        except NotFoundError:
+            return None
 
     def _conflict(self) -> CommitConflictError:
         return CommitConflictError(
-            f"checkpoint {self.store.driver.describe(self.name)} already exists", name=self.name
+            f"checkpoint {self.store.driver.describe(self.name)} already exists"
+            + (" (it changed since this overwrite began)" if self.overwrite else ""),
+            name=self.name,
         )
 
     def write(self, data: bytes | bytearray | memoryview, *, crc32c: int | None = None) -> int:
@@ -87,35 +110,26 @@ class OneFileCommit:
             raise TransactionError(f"{self.name!r} is already committed or aborted")
         self._done = True
         d = self.store.driver
+        replaced = False
         try:
-            self._w.close()  # durable on POSIX (fsync); the upload completes on object stores
+            if self.staged:
+                self._w.close()  # durable (fsync)
+                self._lease.check()
+                replaced = self._swap_in()
+            else:
+                self._lease.check()
+                self._w.close()  # the upload completes, if the precondition holds
         except AlreadyExistsError:
+            self._cleanup()
             raise self._conflict() from None
-        except BaseException:
+        except LeaseLostError:
             self._cleanup()
             raise
-        if not self.staged:
-            log.info("committed %s (%d bytes)", d.describe(self.name), self.bytes_written)
-            return
-        assert self._lease is not None
-        try:
-            self._lease.check()
-            replaced = False
-            if self.overwrite:
-                try:
-                    d.exchange(self.key, self.name)
-                    replaced = True
-                except NotFoundError:
-                    pass
-            if not replaced:
-                d.rename(self.key, self.name)
-            if d.capabilities.durable_fsync:
-                d.fsync_dir(posixpath.dirname(self.name))
-        except AlreadyExistsError:
-            self._cleanup()
-            raise self._conflict() from None
         except BaseException:
-            self._lease.stop()  # ambiguous: recovery waits for the lease to expire
+            if self.staged:
+                self._lease.stop()  # ambiguous: recovery waits for the lease to expire
+            else:
+                self._cleanup()  # an unfinished upload is invisible: abort it
             raise
         if replaced:  # the old file now sits at the staging key
             try:
@@ -125,6 +139,24 @@ class OneFileCommit:
         self._lease.release()
         log.info("committed %s (%d bytes)", d.describe(self.name), self.bytes_written)
 
+    def _swap_in(self) -> bool:
+        """Rename the staged file onto its name (the commit point); True if it replaced
+        an older file, which then sits at the staging key."""
+        d = self.store.driver
+        if not self.overwrite:
+            d.rename(self.key, self.name)  # refuses an existing name atomically
+        else:
+            with d.lock():  # compare-and-swap: nobody overwrites or deletes in between
+                if self._generation() != self.expected:
+                    raise AlreadyExistsError(f"{self.name} changed since it was read")
+                if self.expected is None:
+                    d.rename(self.key, self.name)
+                else:
+                    d.exchange(self.key, self.name)
+        if d.capabilities.durable_fsync:
+            d.fsync_dir(posixpath.dirname(self.name))
+        return self.expected is not None
+
     def _cleanup(self) -> None:
         self._w.abort()
         if self.staged:
@@ -132,8 +164,7 @@ class OneFileCommit:
                 self.store.driver.delete(self.key)
             except Exception:  # noqa: BLE001 - recovery removes it later
                 pass
-            if self._lease is not None:
-                self._lease.release()
+        self._lease.release()
 
     def abort(self) -> None:
         """Discard what was written; nothing becomes visible. Idempotent."""

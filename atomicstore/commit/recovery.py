@@ -1,7 +1,10 @@
 """Recovery: remove what crashed saves and deletes left behind, and nothing else.
 
-One listing of the store (plus the few lease objects and, rarely, a marker) decides
-everything; committed data is never read. The rules, in ``docs/recovery.md``:
+One listing of the store nominates candidates; each is decided from storage read afresh
+right before it is removed (its lease, then, after fencing an expired lease, its
+commit marker; on rename backends it is claimed by an atomic rename into the trash), so
+a save that commits or renews between the listing and the removal is never touched.
+Committed data is never read. The rules, in ``docs/recovery.md``:
 
 * **Never touched**: a committed checkpoint (rename: a ``<name>/`` directory; marker: the
   marker and the attempt it names), and any attempt whose lease was renewed less than
@@ -20,15 +23,14 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import CorruptionError, NotFoundError
-from .lease import parse_lease_key, read_lease_ttl
-from .names import MARKER_FILE, RESERVED_DIR, validate_name
-from .strategies import ATTEMPT_PREFIX, STAGING, TRASH, MarkerStrategy
+from ..errors import CorruptionError, NotFoundError, PreconditionFailedError
+from .lease import lease_key, parse_lease_key, read_lease_ttl
+from .names import MANIFEST_FILE, MARKER_FILE, RESERVED_DIR
+from .strategies import ATTEMPT_PREFIX, STAGING, TRASH, MarkerStrategy, RenameStrategy
 
 if TYPE_CHECKING:
     from .store import Store
@@ -107,157 +109,271 @@ def _flax_leftovers(listing: dict, tops: set[str], prefix: str) -> dict[str, flo
 def recover(store: Store, *, dry_run: bool = False, grace: float | None = None,
             now: float | None = None, flax_prefix: str | None = None) -> RecoveryReport:
     """See :meth:`atomicstore.Store.recover`."""
-    d = store.driver
-    grace = DEFAULT_GRACE if grace is None else grace
-    now = time.time() if now is None else now
-    report = RecoveryReport(dry_run=dry_run)
-    listing = d.find("")
-    marker_mode = isinstance(store.strategy, MarkerStrategy)
+    return _Recovery(store, dry_run, DEFAULT_GRACE if grace is None else grace,
+                     store.clock() if now is None else now).run(flax_prefix)
 
-    attempts: dict[tuple[str, str], _Attempt] = {}
-    leases: dict[tuple[str, str], tuple[str, float]] = {}
-    trash: dict[str, list[str]] = defaultdict(list)
-    temps: list[str] = []
-    markers: set[str] = set()
 
-    def add_attempt(name: str, attempt: str, prefix: str, key: str, mtime: float | None) -> None:
-        a = attempts.setdefault((name, attempt), _Attempt(name, attempt, prefix))
-        a.keys.append(key)
-        a.newest = max(a.newest, mtime if mtime is not None else now)
+class _Recovery:
+    """One recovery pass. The listing only nominates candidates; the decision about each
+    is made from storage read afresh immediately before acting on it, in this order:
 
-    for key, info in listing.items():
-        if key.startswith(RESERVED_DIR + "/"):
-            lk = parse_lease_key(key)
-            if lk is not None:
-                leases[lk] = (key, info.mtime if info.mtime is not None else now)
-            elif key.startswith(STAGING + "/"):
-                dirname = key[len(STAGING) + 1 :].split("/", 1)[0]
-                name, dot, attempt = dirname.rpartition(".")
-                add_attempt(name if dot else dirname, attempt, f"{STAGING}/{dirname}", key, info.mtime)
-            elif key.startswith(TRASH + "/"):
-                trash[f"{TRASH}/{key[len(TRASH) + 1 :].split('/', 1)[0]}"].append(key)
-            elif _PUT_TMP.search(key) and (info.mtime or now) + grace < now:
-                temps.append(key)
-            continue
-        if _PUT_TMP.search(key):
-            if (info.mtime or now) + grace < now:
-                temps.append(key)
-            continue
-        if not marker_mode:
-            continue
-        name, _, rest = key.partition("/")
-        if rest == MARKER_FILE:
-            markers.add(name)
-        elif rest.startswith(ATTEMPT_PREFIX):
-            attempt = rest[len(ATTEMPT_PREFIX) :].split("/", 1)[0]
-            add_attempt(name, attempt, f"{name}/{ATTEMPT_PREFIX}{attempt}", key, info.mtime)
+    1. its lease (if alive: leave it; a writer renews before it expires);
+    2. no lease and touched within ``grace``: leave it;
+    3. fence: delete the expired lease (only the generation just read, so a renewal in
+       between wins), after which the writer's pre-commit lease check fails;
+    4. the commit marker of the name, read afresh (a writer publishes its marker before
+       it releases its lease): if it names the attempt, leave it;
+    5. remove: on rename backends by first renaming the attempt into the trash (so it
+       can no longer be committed by a rename, and a rename that won keeps it), on
+       object stores object by object.
+    """
 
-    if d.capabilities.directories:  # empty directories do not show up in a listing of files
-        for e in d.listdir(STAGING):
-            name, dot, attempt = e.name.rpartition(".")
-            ident = (name if dot else e.name, attempt)
-            if ident not in attempts:
-                attempts[ident] = _Attempt(ident[0], attempt, f"{STAGING}/{e.name}")
-        for e in d.listdir(TRASH):
-            trash.setdefault(f"{TRASH}/{e.name}", [])
+    def __init__(self, store: Store, dry_run: bool, grace: float, now: float) -> None:
+        self.store, self.d = store, store.driver
+        self.dry_run, self.grace, self.now = dry_run, grace, now
+        self.marker_mode = isinstance(store.strategy, MarkerStrategy)
+        self.report = RecoveryReport(dry_run=dry_run)
 
-    # Which attempt does each marker name? Only worth a read where a name has several.
-    committed_attempt: dict[str, str | None] = {}
-    if marker_mode:
-        per_name: dict[str, list[str]] = defaultdict(list)
-        for (name, attempt) in attempts:
-            per_name[name].append(attempt)
-        for name in markers:
-            report.committed.append(name)
-            if len(per_name.get(name, [])) == 1:
-                committed_attempt[name] = per_name[name][0]
-                continue
-            try:
-                committed_attempt[name] = store.strategy.read_marker(name).attempt  # type: ignore[attr-defined]
-            except (NotFoundError, CorruptionError):
-                committed_attempt[name] = None  # a broken marker: touch nothing of this name
-    else:
-        report.committed.extend(store.strategy.list())
-
-    def lease_alive(key: tuple[str, str]) -> bool | None:
-        """True/False for a lease, None if there is none."""
-        if key not in leases:
-            return None
-        lkey, mtime = leases[key]
+    # -- fresh reads --------------------------------------------------------------------
+    def lease_state(self, name: str, attempt: str) -> tuple[str, str | None]:
+        """("alive" | "expired" | "none", generation) of the attempt's lease, read now."""
+        key = lease_key(name, attempt)
         try:
-            ttl = read_lease_ttl(d, lkey)
+            info = self.d.info(key)
+            ttl = read_lease_ttl(self.d, key)
         except NotFoundError:
-            return None
+            return "none", None
         except CorruptionError:
             ttl = 0.0
-        return mtime + ttl + grace > now
+            info = self.d.info(key)
+        mtime = info.mtime if info.mtime is not None else self.now
+        return ("alive" if mtime + ttl + self.grace > self.now else "expired"), info.generation
 
-    def act(kind: str, target: str, reason: str, keys: list[str] | None = None, prefix: bool = False) -> None:
-        report.actions.append(RecoveryAction(kind, target, reason, len(keys or [target])))
-        if dry_run:
+    def fence(self, name: str, attempt: str, generation: str | None) -> bool:
+        """Remove an expired lease (that generation only); False if it was renewed."""
+        try:
+            self.d.delete(lease_key(name, attempt), if_generation=generation)
+        except PreconditionFailedError:
+            return False
+        return True
+
+    def committed_as(self, name: str, attempt: str) -> bool:
+        """True if ``name`` is committed as ``attempt``, or its marker is unreadable
+        (then nothing of that name is touched)."""
+        cur = self.store.strategy.current(name)
+        return cur is not None and (cur == attempt or cur.startswith("unreadable:"))
+
+    # -- acting ---------------------------------------------------------------------------
+    def act(self, kind: str, target: str, reason: str, nkeys: int = 1, tree: bool = False) -> None:
+        self.report.actions.append(RecoveryAction(kind, target, reason, nkeys))
+        if self.dry_run:
             return
-        if prefix:
-            d.delete_tree(target)
+        if tree:
+            self.d.delete_tree(target)
         else:
-            d.delete(target)
+            self.d.delete(target)
 
-    for ident, a in sorted(attempts.items()):
-        name, attempt = ident
-        if marker_mode and name in markers:
-            won = committed_attempt.get(name)
-            if won is None or won == attempt:
-                # committed (or an unreadable marker: be conservative); only a dead lease goes
-                if won == attempt and ident in leases and lease_alive(ident) is False:
-                    act("lease", leases[ident][0], "expired lease of a committed attempt")
+    def remove_tree(self, kind: str, prefix: str, reason: str, nkeys: int) -> bool:
+        """Remove ``prefix``; on rename backends claim it into the trash first (False if a
+        concurrent rename took it: committed, or removed by another recovery)."""
+        if not self.dry_run and isinstance(self.store.strategy, RenameStrategy):
+            trash = self.store.strategy.claim(prefix)
+            if trash is None:
+                return False
+            prefix_removed, prefix = prefix, trash
+            self.report.actions.append(RecoveryAction(kind, prefix_removed, reason, nkeys))
+            self.d.delete_tree(prefix)
+            return True
+        self.act(kind, prefix, reason, nkeys, tree=True)
+        return True
+
+    def attempt(self, a: _Attempt) -> None:
+        name, attempt = a.name, a.attempt
+        state, gen = self.lease_state(name, attempt)
+        if state == "alive" or (state == "none" and a.newest + self.grace > self.now):
+            self.report.in_flight.append(a.prefix)
+            return
+        if not self.dry_run and state == "expired" and not self.fence(name, attempt, gen):
+            self.report.in_flight.append(a.prefix)
+            return
+        if self.marker_mode and self.committed_as(name, attempt):
+            return  # committed between the listing and now
+        why = "lease expired" if state == "expired" else f"no lease, untouched for more than {self.grace:.0f}s"
+        removed = self.remove_tree("attempt", a.prefix, f"uncommitted attempt of {name!r}: {why}", len(a.keys))
+        if removed and state == "expired":
+            self.report.actions.append(RecoveryAction("lease", lease_key(name, attempt), "lease of a removed attempt"))
+
+    def stray_lease(self, name: str, attempt: str, why: str) -> None:
+        state, gen = self.lease_state(name, attempt)
+        if state != "expired":
+            return
+        if self.dry_run or self.fence(name, attempt, gen):
+            self.report.actions.append(RecoveryAction("lease", lease_key(name, attempt), why))
+
+    def dangling_marker(self, name: str, attempt: str, mtime: float | None) -> None:
+        """A marker whose attempt has no data (a commit that was deleted while its reply
+        was lost, then re-created by a retry, and its writer died before taking it back):
+        it can never be opened. Removed once older than ``grace`` if, read afresh, it
+        still names that attempt and the attempt's manifest is still missing."""
+        if (mtime if mtime is not None else self.now) + self.grace > self.now:
+            return
+        strategy = self.store.strategy
+        assert isinstance(strategy, MarkerStrategy)
+        _marker, gen, found = strategy.marker_state(name)
+        if found != attempt or self.d.exists(f"{strategy.attempt_prefix(name, attempt)}/{MANIFEST_FILE}"):
+            return
+        self.report.actions.append(RecoveryAction("marker", f"{name}/{MARKER_FILE}",
+                                                  f"names attempt {attempt}, whose data is gone"))
+        if not self.dry_run:
+            try:
+                self.d.delete(f"{name}/{MARKER_FILE}", if_generation=gen)
+            except PreconditionFailedError:
+                self.report.actions.pop()
+
+    def live_lease_of(self, names: set[str], leases: dict[tuple[str, str], str]) -> bool:
+        """True if any lease of these names (as listed) is alive now."""
+        return any(self.lease_state(n, att)[0] == "alive" for (n, att) in leases if n in names)
+
+    # -- the pass -----------------------------------------------------------------------
+    def run(self, flax_prefix: str | None) -> RecoveryReport:
+        d, now, grace = self.d, self.now, self.grace
+        listing = d.find("")
+        attempts: dict[tuple[str, str], _Attempt] = {}
+        leases: dict[tuple[str, str], str] = {}
+        trash: dict[str, list[str]] = defaultdict(list)
+        temps: list[tuple[str, float]] = []
+        markers: set[str] = set()
+
+        def add_attempt(name: str, attempt: str, prefix: str, key: str, mtime: float | None) -> None:
+            a = attempts.setdefault((name, attempt), _Attempt(name, attempt, prefix))
+            a.keys.append(key)
+            a.newest = max(a.newest, mtime if mtime is not None else now)
+
+        for key, info in listing.items():
+            if _PUT_TMP.search(key):
+                temps.append((key, info.mtime or now))
+            elif key.startswith(RESERVED_DIR + "/"):
+                lk = parse_lease_key(key)
+                if lk is not None:
+                    leases[lk] = key
+                elif key.startswith(STAGING + "/"):
+                    dirname = key[len(STAGING) + 1 :].split("/", 1)[0]
+                    name, dot, attempt = dirname.rpartition(".")
+                    add_attempt(name if dot else dirname, attempt, f"{STAGING}/{dirname}", key, info.mtime)
+                elif key.startswith(TRASH + "/"):
+                    trash[f"{TRASH}/{key[len(TRASH) + 1 :].split('/', 1)[0]}"].append(key)
+            elif self.marker_mode:
+                name, _, rest = key.partition("/")
+                if rest == MARKER_FILE:
+                    markers.add(name)
+                elif rest.startswith(ATTEMPT_PREFIX):
+                    attempt = rest[len(ATTEMPT_PREFIX) :].split("/", 1)[0]
+                    add_attempt(name, attempt, f"{name}/{ATTEMPT_PREFIX}{attempt}", key, info.mtime)
+
+        if d.capabilities.directories:  # empty directories do not show up in a listing of files
+            for e in d.listdir(STAGING):
+                name, dot, attempt = e.name.rpartition(".")
+                ident = (name if dot else e.name, attempt)
+                attempts.setdefault(ident, _Attempt(ident[0], attempt, f"{STAGING}/{e.name}"))
+            for e in d.listdir(TRASH):
+                trash.setdefault(f"{TRASH}/{e.name}", [])
+
+        committed = markers if self.marker_mode else set(self.store.strategy.list())
+        self.report.committed = sorted(committed)
+
+        # Which attempt each marker names: a guess from the listing where a name has one
+        # attempt, else a read. Only used to skip committed attempts early; every removal
+        # re-reads the marker itself.
+        named: dict[str, str | None] = {}
+        if self.marker_mode:
+            per_name: dict[str, list[str]] = defaultdict(list)
+            for (name, attempt) in attempts:
+                per_name[name].append(attempt)
+            for name in markers:
+                if len(per_name.get(name, [])) == 1:
+                    named[name] = per_name[name][0]
+                else:
+                    try:
+                        named[name] = self.store.strategy.current(name)
+                    except Exception:  # noqa: BLE001 - conservative: touch nothing of it
+                        named[name] = None
+
+        for ident, a in sorted(attempts.items()):
+            name, attempt = ident
+            if name in named and named[name] in (None, attempt):
+                # committed (or unreadable: be conservative); only a dead lease goes
+                if named[name] == attempt and ident in leases:
+                    self.stray_lease(name, attempt, "expired lease of a committed attempt")
                 continue
-        alive = lease_alive(ident)
-        if alive or (alive is None and a.newest + grace > now):
-            report.in_flight.append(a.prefix)
-            continue
-        why = "lease expired" if alive is False else f"no lease, untouched for more than {grace:.0f}s"
-        act("attempt", a.prefix, f"uncommitted attempt of {name!r}: {why}", a.keys, prefix=True)
-        if ident in leases:
-            act("lease", leases[ident][0], "lease of a removed attempt")
+            self.attempt(a)
 
-    for ident, (lkey, _mtime) in sorted(leases.items()):
-        if ident in attempts:
-            continue
-        alive = lease_alive(ident)
-        if alive is False:
-            act("lease", lkey, "expired lease with no data")
+        for name in sorted(markers):
+            att = named.get(name)
+            if att and not att.startswith("unreadable:") and (name, att) not in attempts:
+                self.dangling_marker(name, att, listing[f"{name}/{MARKER_FILE}"].mtime)
 
-    for prefix, keys in sorted(trash.items()):
-        act("trash", prefix, "interrupted delete", keys, prefix=True)
+        for (name, attempt) in sorted(leases):
+            if (name, attempt) not in attempts:
+                self.stray_lease(name, attempt, "expired lease with no data")
 
-    if flax_prefix is not None:
+        for prefix, keys in sorted(trash.items()):
+            self.act("trash", prefix, "interrupted delete", len(keys), tree=True)
+
+        if flax_prefix is not None:
+            self.flax(listing, leases, flax_prefix)
+
+        for key, mtime in temps:
+            # only our own temporaries of single-file writes, never inside a checkpoint
+            if mtime + grace < now and key.split("/", 1)[0] not in committed:
+                self.act("temp", key, f"temporary file older than {grace:.0f}s")
+
+        if d.capabilities.multipart_uploads:
+            self.uploads(leases)
+
+        if self.report.actions:
+            log.info("%s", self.report.summary())
+        return self.report
+
+    def uploads(self, leases: dict[tuple[str, str], str]) -> None:
+        """Abort unfinished multipart uploads whose save is dead: the attempt's lease (or,
+        for a one-file upload to ``<name>``, every lease of that name) is not alive now,
+        and the upload is older than ``grace``."""
+        for key, upload_id, started in self.d.list_incomplete_uploads(""):
+            if started + self.grace > self.now:
+                continue
+            name, _, rest = key.partition("/")
+            if rest.startswith(ATTEMPT_PREFIX):
+                attempt = rest[len(ATTEMPT_PREFIX) :].split("/", 1)[0]
+                if self.lease_state(name, attempt)[0] == "alive":
+                    continue
+            elif self.live_lease_of({key}, leases):
+                continue  # a one-file save in flight
+            self.report.actions.append(RecoveryAction("upload", f"{key} ({upload_id})", "unfinished multipart upload"))
+            if not self.dry_run:
+                self.d.abort_upload(key, upload_id)
+
+    def flax(self, listing: dict, leases: dict[tuple[str, str], str], prefix: str) -> None:
+        """flax's own leftovers: ``<prefix>tmp``/``<prefix>tmp_gda`` staging, and
+        ``<prefix><step>_gda`` whose main file does not exist, re-checked afresh (main
+        file absent, no live lease of the step or its ``_gda``) right before removal."""
+        d = self.d
         tops = {k.split("/", 1)[0] for k in listing}
         if d.capabilities.directories:
             tops |= {e.name for e in d.listdir("")}
-        for top, newest in sorted(_flax_leftovers(listing, tops, flax_prefix).items()):
-            if newest + grace > now:
-                report.in_flight.append(top)
+        for top, newest in sorted(_flax_leftovers(listing, tops, prefix).items()):
+            staging = top[len(prefix):].startswith("tmp")
+            main = top[: -len("_gda")]
+            if newest + self.grace > self.now or (
+                not staging and (self.live_lease_of({main, top}, leases) or d.exists(main))
+            ):
+                self.report.in_flight.append(top)
                 continue
-            what = "orphaned _gda directory" if not top[len(flax_prefix):].startswith("tmp") else "flax staging"
-            act("flax", top, f"{what} (uncommitted)", [top], prefix=True)
-
-    for key in temps:
-        act("temp", key, f"temporary file older than {grace:.0f}s")
-
-    if d.capabilities.multipart_uploads:
-        for key, upload_id, started in d.list_incomplete_uploads(""):
-            name, _, rest = key.partition("/")
-            attempt = rest[len(ATTEMPT_PREFIX) :].split("/", 1)[0] if rest.startswith(ATTEMPT_PREFIX) else ""
-            alive = lease_alive((name, attempt)) if attempt else None
-            if alive or (alive is None and started + grace > now):
-                continue
-            report.actions.append(RecoveryAction("upload", f"{key} ({upload_id})", "unfinished multipart upload"))
-            if not dry_run:
-                d.abort_upload(key, upload_id)
-
-    try:
-        report.committed = sorted({validate_name(n) for n in report.committed})
-    except ValueError:  # pragma: no cover - names come from listings already filtered
-        pass
-    if report.actions:
-        log.info("%s", report.summary())
-    return report
+            what = "flax staging" if staging else "orphaned _gda directory"
+            if not staging and not self.dry_run and self.store.strategy.current(top) is not None:
+                try:  # our own committed _gda: un-publish first (the generation just read)
+                    self.store.strategy.unpublish(top)
+                    self.report.actions.append(RecoveryAction("flax", top, f"{what} (uncommitted main file)"))
+                    continue
+                except (NotFoundError, PreconditionFailedError):
+                    continue  # changed meanwhile: leave it to the next pass
+            self.remove_tree("flax", top, f"{what} (uncommitted)", 1)

@@ -9,12 +9,13 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..drivers import get_driver
 from ..drivers.base import Driver
-from ..errors import ChecksumMismatchError, InvalidArgumentError, NotFoundError
+from ..errors import AlreadyExistsError, ChecksumMismatchError, InvalidArgumentError, NotFoundError
 from ..retry import RetryPolicy
 from .lease import DEFAULT_LEASE_TTL
 from .manifest import Crc32cHasher, FileEntry, Manifest, crc32c, crc32c_combine
@@ -222,7 +223,10 @@ class Store:
         writer_id: str | None = None,
         lease_ttl: float = DEFAULT_LEASE_TTL,
         grace: float = DEFAULT_GRACE,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        if clock is not None and not callable(clock):
+            raise InvalidArgumentError("clock must be a callable returning Unix seconds")
         if not (isinstance(lease_ttl, int | float) and lease_ttl > 0):
             raise InvalidArgumentError("lease_ttl must be a positive number of seconds")
         if not (isinstance(grace, int | float) and grace >= 0):
@@ -234,6 +238,8 @@ class Store:
         self.writer_id = writer_id or default_writer_id()
         self.lease_ttl = float(lease_ttl)
         self.grace = float(grace)
+        #: Unix seconds; leases and recovery read time only through it (tests inject one)
+        self.clock: Callable[[], float] = clock or time.time
 
     @property
     def url(self) -> str:
@@ -271,11 +277,23 @@ class Store:
     def write_file(self, path: str, data: bytes, *, overwrite: bool = True) -> None:
         """Write one small file at the store root atomically: readers see the old content
         or the new, never a part. With ``overwrite=False`` an existing file is not
-        replaced (:class:`~atomicstore.AlreadyExistsError`)."""
+        replaced (:class:`~atomicstore.AlreadyExistsError`); a retry whose first try
+        landed (lost reply) is recognised by reading the file back."""
         validate_path(path)
+        if not isinstance(overwrite, bool):
+            raise InvalidArgumentError("overwrite must be a bool")
         if not isinstance(data, bytes | bytearray | memoryview):
             raise InvalidArgumentError("data must be bytes")
-        self.driver.put(path, bytes(data), exclusive=not overwrite)
+        data = bytes(data)
+        try:
+            self.driver.put(path, data, exclusive=not overwrite)
+        except AlreadyExistsError:
+            # Our own first try may have landed, its reply lost, and the retry refused (a
+            # retry below us, e.g. aiohttp re-sending a PUT, is invisible): read it back.
+            # Identical bytes written by another writer are indistinguishable from ours.
+            if self.driver.read(path) != data:
+                raise
+            log.info("write of %s: reply lost, the file is ours", self.driver.describe(path))
 
     def read_file(self, path: str) -> bytes:
         """Read a file written by :meth:`write_file`."""
@@ -316,11 +334,19 @@ class Store:
         return self.open(name).verify()
 
     # -- deleting -----------------------------------------------------------------------
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, *, if_attempt: str | None = None) -> None:
         """Delete ``name``: its commit point first, then its data. A crash in between
-        leaves garbage for recovery, never a committed-looking partial checkpoint."""
+        leaves garbage for recovery, never a committed-looking partial checkpoint.
+
+        Only the checkpoint read when the delete starts is removed (a conditional delete
+        on its generation), so a late delete never removes a newer checkpoint of the same
+        name. With ``if_attempt`` (a :attr:`Manifest.attempt` the caller read earlier),
+        nothing is deleted unless ``name`` still holds that attempt
+        (:class:`~atomicstore.PreconditionFailedError`)."""
         validate_name(name)
-        self.strategy.unpublish(name)
+        if if_attempt is not None and not isinstance(if_attempt, str):
+            raise InvalidArgumentError("if_attempt must be a str")
+        self.strategy.unpublish(name, if_generation=if_attempt)
 
     # -- recovery -----------------------------------------------------------------------
     def recover(
@@ -374,6 +400,7 @@ def open_store(
     block_size: int | None = None,
     lease_ttl: float = DEFAULT_LEASE_TTL,
     grace: float = DEFAULT_GRACE,
+    clock: Callable[[], float] | None = None,
     **storage_options: Any,
 ) -> Store:
     """Open the store at a local path or URL (``s3://bucket/prefix``, ``gs://…``,
@@ -388,6 +415,8 @@ def open_store(
         block_size: streaming chunk / multipart part size in bytes.
         lease_ttl: seconds a save's lease lives without renewal (renewed every third).
         grace: extra seconds recovery waits before it treats unleased data as stale.
+        clock: where leases and recovery read the time (Unix seconds; default
+            ``time.time``), e.g. a simulated clock in tests.
         **storage_options: passed to the fsspec filesystem unchanged (endpoint,
             credentials, anon...). Credentials never appear in logs or errors.
     """
@@ -398,4 +427,4 @@ def open_store(
         operation_timeout=operation_timeout,
         block_size=block_size,
     )
-    return Store(driver, writer_id=writer_id, lease_ttl=lease_ttl, grace=grace)
+    return Store(driver, writer_id=writer_id, lease_ttl=lease_ttl, grace=grace, clock=clock)

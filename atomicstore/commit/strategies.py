@@ -22,7 +22,14 @@ import time
 from abc import ABC, abstractmethod
 
 from ..drivers.base import Driver
-from ..errors import AlreadyExistsError, CommitConflictError, CorruptionError, NotFoundError
+from ..errors import (
+    AlreadyExistsError,
+    CommitConflictError,
+    CorruptionError,
+    NotFoundError,
+    PreconditionFailedError,
+    StorageError,
+)
 from .manifest import Manifest, Marker, sha256
 from .names import MANIFEST_FILE, MARKER_FILE, RESERVED_DIR, validate_name
 
@@ -39,7 +46,12 @@ def new_attempt_id() -> str:
 
 
 class CommitStrategy(ABC):
-    """How files staged under one attempt become one committed checkpoint."""
+    """How files staged under one attempt become one committed checkpoint.
+
+    A committed checkpoint's *generation* is the id of the attempt it holds (or, for one
+    whose manifest or marker is unreadable, ``unreadable:<digest>``): overwrites and
+    deletes are compare-and-swap operations on the generation their caller read.
+    """
 
     #: short name shown in reprs and docs
     kind: str
@@ -54,13 +66,19 @@ class CommitStrategy(ABC):
         ``overwrite``)."""
 
     @abstractmethod
+    def current(self, name: str) -> str | None:
+        """The generation of committed ``name``, read afresh; None if it is not committed."""
+
+    @abstractmethod
     def publish(
-        self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False
+        self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
+        expected: str | None = None,
     ) -> None:
         """Write the manifest and make the attempt the committed ``name`` (the commit
         point). Raises :class:`CommitConflictError` if another attempt won. With
-        ``overwrite``, an existing checkpoint is replaced in the same atomic step and its
-        data removed afterwards."""
+        ``overwrite``, the checkpoint of generation ``expected`` (None: no checkpoint) is
+        replaced in the same atomic step, and its data removed afterwards; if ``name`` is
+        at another generation by then, :class:`CommitConflictError`."""
 
     @abstractmethod
     def attempt_prefix(self, name: str, attempt: str) -> str:
@@ -80,8 +98,10 @@ class CommitStrategy(ABC):
         """Names of committed checkpoints (unsorted)."""
 
     @abstractmethod
-    def unpublish(self, name: str) -> None:
-        """Delete ``name``: remove the commit point first, then the data."""
+    def unpublish(self, name: str, *, if_generation: str | None = None) -> None:
+        """Delete ``name``: remove the commit point first, then the data. Only the
+        generation read when the delete starts (or ``if_generation``) is removed: a newer
+        checkpoint of the same name is never deleted (:class:`PreconditionFailedError`)."""
 
     def _conflict(self, name: str, winner: str | None = None) -> CommitConflictError:
         return CommitConflictError(
@@ -90,6 +110,16 @@ class CommitStrategy(ABC):
             name=name,
             winner=winner,
         )
+
+    def _changed(self, name: str, expected: str | None, found: str | None) -> PreconditionFailedError:
+        return PreconditionFailedError(
+            f"checkpoint {self.driver.describe(name)} changed since it was read "
+            f"(expected {expected or 'none'}, found {found or 'none'})"
+        )
+
+
+def _unreadable(raw: bytes) -> str:
+    return f"unreadable:{sha256(raw)[:16]}"
 
 
 def _parent_dirs(paths: list[str]) -> list[str]:
@@ -104,7 +134,12 @@ def _parent_dirs(paths: list[str]) -> list[str]:
 
 
 class RenameStrategy(CommitStrategy):
-    """Stage in a sibling directory, fsync everything, rename onto the final name."""
+    """Stage in a sibling directory, fsync everything, rename onto the final name.
+
+    A plain commit is one ``rename(NOREPLACE)``. Overwrites and deletes compare the
+    generation and swap under the driver's store lock (``flock`` on POSIX), so that a
+    concurrent overwrite or delete cannot slip in between the comparison and the rename.
+    """
 
     kind = "rename"
 
@@ -114,12 +149,29 @@ class RenameStrategy(CommitStrategy):
     _staging = attempt_prefix
 
     def begin(self, name: str, attempt: str, *, overwrite: bool = False) -> str:
-        if not overwrite and self.driver.exists(name):
-            raise self._conflict(name)
+        if self.driver.exists(name):
+            if not overwrite:
+                raise self._conflict(name)
+            if not self.driver.replaces_directories:
+                raise StorageError(
+                    f"cannot replace {self.driver.describe(name)} atomically: this filesystem "
+                    "lacks renameat2(RENAME_EXCHANGE) (NFS, FUSE); delete the checkpoint, then save it"
+                )
         return self._staging(name, attempt)  # created by the first file written into it
 
+    def current(self, name: str) -> str | None:
+        try:
+            raw = self.driver.read(f"{name}/{MANIFEST_FILE}")
+        except NotFoundError:
+            return None
+        try:
+            return Manifest.from_bytes(raw, where=name).attempt
+        except CorruptionError:
+            return _unreadable(raw)
+
     def publish(
-        self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False
+        self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
+        expected: str | None = None,
     ) -> None:
         d = self.driver
         staging = self._staging(name, attempt)
@@ -137,13 +189,18 @@ class RenameStrategy(CommitStrategy):
                     d.fsync_dir(f"{staging}/{sub}")
                 d.fsync_dir(staging)
             replaced = False
-            try:
+            if not overwrite:
                 d.rename(staging, name)  # the commit point
-            except AlreadyExistsError:
-                if not overwrite:
-                    raise
-                d.exchange(staging, name)  # the commit point of an overwrite
-                replaced = True
+            else:
+                with d.lock():  # nobody else deletes or overwrites in between
+                    found = self.current(name)
+                    if found != expected:
+                        raise AlreadyExistsError(f"{name}: generation {found}, expected {expected}")
+                    if expected is None:
+                        d.rename(staging, name)  # the commit point
+                    else:
+                        d.exchange(staging, name)  # the commit point of an overwrite
+                        replaced = True
         except AlreadyExistsError:
             self.discard(name, attempt)
             raise self._conflict(name) from None
@@ -184,21 +241,41 @@ class RenameStrategy(CommitStrategy):
                 out.append(e.name)
         return out
 
-    def unpublish(self, name: str) -> None:
+    def claim(self, prefix: str) -> str | None:
+        """Move the tree ``prefix`` into the trash in one atomic step (so that nothing can
+        commit it any more) and return its trash prefix; None if it is gone already."""
         d = self.driver
-        trash = f"{TRASH}/{name}.{new_attempt_id()}"
+        trash = f"{TRASH}/{posixpath.basename(prefix)}.{secrets.token_hex(4)}"
         d.makedirs(TRASH)
         try:
-            d.rename(name, trash)  # un-publish: the name is gone in one step
+            d.rename(prefix, trash)
         except NotFoundError:
-            raise NotFoundError(f"no committed checkpoint {d.describe(name)}") from None
-        if d.capabilities.durable_fsync:
-            d.fsync_dir("")
+            return None
+        return trash
+
+    def unpublish(self, name: str, *, if_generation: str | None = None) -> None:
+        d = self.driver
+        with d.lock():
+            found = self.current(name)
+            if found is None and not d.exists(name):
+                raise NotFoundError(f"no committed checkpoint {d.describe(name)}")
+            if if_generation is not None and found != if_generation:
+                raise self._changed(name, if_generation, found)
+            trash = self.claim(name)  # un-publish: the name is gone in one step
+            if trash is None:
+                raise NotFoundError(f"no committed checkpoint {d.describe(name)}")
+            if d.capabilities.durable_fsync:
+                d.fsync_dir("")
         d.delete_tree(trash)
 
 
 class MarkerStrategy(CommitStrategy):
-    """Write the attempt's files and manifest, then create the marker conditionally."""
+    """Write the attempt's files and manifest, then create the marker conditionally.
+
+    An overwrite replaces the marker with a conditional PUT on the generation (S3 ETag,
+    GCS generation) of the marker it read; a delete removes the marker conditionally on
+    the generation it read, then the data.
+    """
 
     kind = "marker"
 
@@ -212,46 +289,82 @@ class MarkerStrategy(CommitStrategy):
             raise self._conflict(name)
         return self._prefix(name, attempt)
 
+    def marker_state(self, name: str) -> tuple[Marker | None, str | None, str | None]:
+        """(marker if readable, its generation, the checkpoint's generation) read afresh;
+        (None, None, None) if there is no marker. The object's generation is read first,
+        so a conditional write on it fails if the marker changed after the read."""
+        key = f"{name}/{MARKER_FILE}"
+        try:
+            gen = self.driver.info(key).generation
+            raw = self.driver.read(key)
+        except NotFoundError:
+            return None, None, None
+        try:
+            marker = Marker.from_bytes(raw, where=self.driver.describe(key))
+        except CorruptionError:
+            return None, gen, _unreadable(raw)
+        return marker, gen, marker.attempt
+
+    def current(self, name: str) -> str | None:
+        return self.marker_state(name)[2]
+
     def publish(
-        self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False
+        self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
+        expected: str | None = None,
     ) -> None:
-        if overwrite:
-            return self._replace(name, attempt, writer, manifest)
         d = self.driver
+        old: Marker | None = None
+        gen: str | None = None  # with it, a compare-and-swap on the marker read
+        if overwrite:
+            old, gen, found = self.marker_state(name)
+            if found != expected:
+                self.discard(name, attempt)
+                raise self._conflict(name, old.writer if old else None)
         self._put_manifest(name, attempt, manifest)
         marker = Marker.new(name, attempt, writer, manifest)
-        try:
-            d.put(f"{name}/{MARKER_FILE}", marker.to_bytes(), exclusive=True)  # commit point
+        key = f"{name}/{MARKER_FILE}"
+        try:  # the commit point
+            written = d.put(key, marker.to_bytes(), exclusive=gen is None, if_generation=gen)
         except AlreadyExistsError:
             # Either another writer won, or our own write was applied and only the reply
             # was lost (the retry was then refused): read it back to know which.
             current = self._marker_or_none(name)
             if current is not None and current.attempt == attempt:
                 log.info("commit of %s: reply lost, marker is ours", d.describe(name))
-                return
-            self.discard(name, attempt)
-            raise self._conflict(name, current.writer if current else None) from None
+            else:
+                self.discard(name, attempt)
+                raise self._conflict(name, current.writer if current else None) from None
         except Exception:
             # The marker write may or may not have been applied (a timeout, a lost reply
             # then no more retries): if it is ours, we committed; otherwise the attempt's
             # data is left for recovery, because a late write of our marker could still
             # land and must never point at deleted data.
             try:
-                if self.read_marker(name).attempt == attempt:
-                    return
+                committed = self.read_marker(name).attempt == attempt
             except Exception:  # noqa: BLE001 - the original error is the one to report
-                pass
-            raise
-
-    def _replace(self, name: str, attempt: str, writer: str, manifest: bytes) -> None:
-        """Overwrite: one unconditional PUT of the marker swaps the committed attempt."""
-        d = self.driver
-        old = self._marker_or_none(name)
-        self._put_manifest(name, attempt, manifest)
-        marker = Marker.new(name, attempt, writer, manifest)
-        d.put(f"{name}/{MARKER_FILE}", marker.to_bytes())  # the commit point
+                committed = False
+            if not committed:
+                raise
+        else:
+            if gen is None:
+                self._check_not_resurrected(name, attempt, written)
         if old is not None and old.attempt != attempt:
-            d.delete_tree(self._prefix(name, old.attempt))
+            d.delete_tree(self._prefix(name, old.attempt))  # the replaced checkpoint's data
+
+    def _check_not_resurrected(self, name: str, attempt: str, written: str | None) -> None:
+        """After a create of the marker succeeded: if our first try had landed, its reply
+        been lost, and another process deleted the checkpoint before a retry (ours, or
+        one an HTTP client made unseen) created the marker again, that marker names data
+        that is gone. Detect it (the manifest is missing) and take the marker back."""
+        if self.driver.exists(f"{self._prefix(name, attempt)}/{MANIFEST_FILE}"):
+            return
+        try:
+            self.driver.delete(f"{name}/{MARKER_FILE}", if_generation=written)
+        except PreconditionFailedError:
+            pass  # replaced meanwhile: not ours to remove
+        raise CommitConflictError(
+            f"checkpoint {self.driver.describe(name)} was deleted by another process right "
+            "after this writer committed it (its commit reply was lost)", name=name)
 
     def _put_manifest(self, name: str, attempt: str, manifest: bytes) -> None:
         """Write the attempt's manifest; on failure the attempt is discarded (nothing
@@ -312,15 +425,16 @@ class MarkerStrategy(CommitStrategy):
                     continue
         return out
 
-    def unpublish(self, name: str) -> None:
+    def unpublish(self, name: str, *, if_generation: str | None = None) -> None:
         d = self.driver
-        try:
-            marker = self.read_marker(name)
-        except NotFoundError:
-            raise NotFoundError(f"no committed checkpoint {d.describe(name)}") from None
-        except CorruptionError:
-            marker = None
-        d.delete(f"{name}/{MARKER_FILE}")  # un-publish first
+        marker, gen, found = self.marker_state(name)
+        if found is None:
+            raise NotFoundError(f"no committed checkpoint {d.describe(name)}")
+        if if_generation is not None and found != if_generation:
+            raise self._changed(name, if_generation, found)
+        # un-publish first, and only the marker that was read (a retry whose first try
+        # landed finds it gone: fine)
+        d.delete(f"{name}/{MARKER_FILE}", if_generation=gen)
         if marker is not None:
             d.delete_tree(self._prefix(name, marker.attempt))
 

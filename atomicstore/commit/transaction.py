@@ -120,9 +120,11 @@ class Transaction:
         self.started = time.time()
         #: the committed manifest, once :meth:`commit` succeeded
         self.manifest: Manifest | None = None
-        self._lease = Lease(store.driver, name, attempt, store.writer_id, store.lease_ttl)
+        self._lease = Lease(store.driver, name, attempt, store.writer_id, store.lease_ttl, store.clock)
         # the conflict check comes first (cheap), then the lease, then any data
         store.strategy.begin(name, attempt, overwrite=overwrite)
+        #: the generation an overwrite replaces (compare-and-swap): read now, checked at commit
+        self.expected = store.strategy.current(name) if overwrite else None
         self._lease.acquire()
         self._prefix = store.strategy.attempt_prefix(name, attempt)
 
@@ -199,7 +201,8 @@ class Transaction:
                 self._lease.check()  # a writer declared dead must not commit
                 # publish cleans up after itself where that is provably safe
                 self.store.strategy.publish(
-                    self.name, self.attempt, self.store.writer_id, data, overwrite=self.overwrite
+                    self.name, self.attempt, self.store.writer_id, data, overwrite=self.overwrite,
+                    expected=self.expected,
                 )
             except CommitConflictError:
                 self._state = _State.ABORTED

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..commit import Store, open_store
-from ..errors import InvalidArgumentError, NotFoundError
+from ..errors import InvalidArgumentError, NotFoundError, PreconditionFailedError
 from ..manager import READ_EVENT, WRITE_EVENT, _check_step, _record, _snapshot, check_retention
 from ..pytree.api import StateWriter
 from ..pytree.api import restore as _restore
@@ -293,10 +293,12 @@ def _remove_invalid(st: Store, name: str, prefix: str, keep: int, overwrite: boo
 
 def _delete_step(st: Store, name: str) -> None:
     d = st.driver
-    try:
-        d.delete(name)  # the main file is the commit point: un-publish first
+    try:  # the main file is the commit point: un-publish first, the generation read
+        d.delete(name, if_generation=d.info(name).generation)
     except NotFoundError:
         pass
+    except PreconditionFailedError:
+        return  # replaced meanwhile by another writer: not the step retention judged
     if d.exists(name + MP_ARRAY_POSTFIX) or d.listdir(name + MP_ARRAY_POSTFIX):
         d.delete_tree(name + MP_ARRAY_POSTFIX)
 

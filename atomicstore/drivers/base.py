@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import re
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from ..errors import (
     AlreadyExistsError,
     InvalidArgumentError,
     NotFoundError,
+    PreconditionFailedError,
     StorageError,
     StorageTimeoutError,
 )
@@ -66,12 +69,18 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class FileInfo:
-    """Size (and the backend's CRC32C, if it keeps one) of a stored object."""
+    """Size (and the backend's CRC32C, if it keeps one) of a stored object.
+
+    ``generation`` is an opaque token that changes with every write of the key (S3 ETag,
+    GCS generation, POSIX inode and change time, a counter in memory); conditional
+    writes and deletes take it as ``if_generation``.
+    """
 
     key: str
     size: int
     crc32c: int | None = None
     mtime: float | None = None
+    generation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,9 @@ class Driver(ABC):
     #: URL protocols this driver serves (the first one is the canonical name).
     protocols: ClassVar[tuple[str, ...]] = ()
     capabilities: ClassVar[Capabilities]
+    #: rename backends: :meth:`exchange` can swap whole directories atomically (a fact
+    #: some filesystems lack, found when the driver opens; overwrites are refused then)
+    replaces_directories: bool = True
 
     def __init__(
         self,
@@ -171,8 +183,12 @@ class Driver(ABC):
             text = text.replace(s, "***")
         return text
 
-    def wrap_error(self, op: str, key: str, exc: BaseException) -> Exception:
-        """Translate a backend error into the library's hierarchy (credentials redacted)."""
+    def wrap_error(
+        self, op: str, key: str, exc: BaseException, conditional: str | None = None
+    ) -> Exception:
+        """Translate a backend error into the library's hierarchy (credentials redacted).
+        ``conditional`` says what a 412 means: ``"generation"`` (an ``if_generation``
+        request: :class:`PreconditionFailedError`) or anything else (the object exists)."""
         if isinstance(exc, StorageError | NotFoundError | AlreadyExistsError):
             return exc
         where = self.describe(key)
@@ -180,6 +196,8 @@ class Driver(ABC):
         if isinstance(exc, FileNotFoundError):
             return NotFoundError(f"{op}: not found: {where}")
         if isinstance(exc, FileExistsError) or http_status_of(exc) == 412:
+            if conditional == "generation":
+                return PreconditionFailedError(f"{op}: {where} changed since it was read")
             return AlreadyExistsError(f"{op}: already exists: {where}")
         if isinstance(exc, TimeoutError):
             return StorageTimeoutError(
@@ -194,21 +212,30 @@ class Driver(ABC):
 
     # -- primitives ---------------------------------------------------------------------
     @abstractmethod
-    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
+    def open_writer(
+        self, key: str, *, exclusive: bool = False, if_generation: str | None = None
+    ) -> Writer:
         """Start a streamed write of ``key`` (nothing visible before close). With
         ``exclusive``, ``close`` raises :class:`AlreadyExistsError` if ``key`` exists by
-        then (atomically where the backend can; rename-based backends stage and rename
-        instead, see :mod:`atomicstore.commit.onefile`)."""
+        then; with ``if_generation``, :class:`PreconditionFailedError` unless ``key`` is
+        still at that generation (atomically where the backend can; rename-based backends
+        stage and rename instead, see :mod:`atomicstore.commit.onefile`)."""
 
     @abstractmethod
-    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
-        """Write a small object in one step. With ``exclusive``, raise
-        :class:`AlreadyExistsError` if ``key`` exists (atomically where the backend can)."""
+    def put(
+        self, key: str, data: bytes, *, exclusive: bool = False, if_generation: str | None = None
+    ) -> str | None:
+        """Write a small object in one step and return its new generation (None where the
+        backend does not say). With ``exclusive``, raise
+        :class:`AlreadyExistsError` if ``key`` exists; with ``if_generation``, raise
+        :class:`PreconditionFailedError` unless ``key`` exists at that generation
+        (atomically where the backend can). Either error carries ``retried=True`` when an
+        earlier try of this request may have been applied (lost reply)."""
 
-    def put_volatile(self, key: str, data: bytes) -> None:
+    def put_volatile(self, key: str, data: bytes, *, if_generation: str | None = None) -> str | None:
         """Like :meth:`put` (atomic replace), but need not be durable across a power cut
         (no fsync): for leases, whose loss after a crash is harmless."""
-        self.put(key, data)
+        return self.put(key, data, if_generation=if_generation)
 
     @abstractmethod
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -253,8 +280,9 @@ class Driver(ABC):
         """Every object below ``prefix``, keyed by key relative to the root."""
 
     @abstractmethod
-    def delete(self, key: str) -> None:
-        """Delete one object; a missing one is not an error."""
+    def delete(self, key: str, *, if_generation: str | None = None) -> None:
+        """Delete one object; a missing one is not an error. With ``if_generation``, raise
+        :class:`PreconditionFailedError` if the object is at another generation."""
 
     def delete_tree(self, prefix: str) -> None:
         """Delete everything below ``prefix``; missing is not an error."""
@@ -274,6 +302,13 @@ class Driver(ABC):
     def fsync_dir(self, key: str) -> None:
         """Make the entries of directory ``key`` durable (no-op without directories)."""
 
+    def lock(self, timeout: float = 60.0) -> contextlib.AbstractContextManager[None]:
+        """Mutual exclusion between every process and thread using this root, for the
+        few compare-and-swap steps of rename backends (overwrite, delete). Held for a
+        rename and an fsync, never for data. :class:`StorageTimeoutError` if it cannot be
+        had within ``timeout`` seconds. Default: a lock shared within this process."""
+        return _process_lock(self.root, timeout)
+
     def makedirs(self, key: str) -> None:
         """Create directory ``key`` and its parents (no-op on object stores)."""
 
@@ -290,6 +325,22 @@ class Driver(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
+
+
+_PROCESS_LOCKS: dict[str, threading.Lock] = {}
+_PROCESS_LOCKS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def _process_lock(root: str, timeout: float) -> Iterator[None]:
+    with _PROCESS_LOCKS_GUARD:
+        lk = _PROCESS_LOCKS.setdefault(root, threading.Lock())
+    if not lk.acquire(timeout=timeout):
+        raise StorageTimeoutError(f"could not take the store lock of {root} within {timeout}s")
+    try:
+        yield
+    finally:
+        lk.release()
 
 
 def _swallow(task: asyncio.Future[Any]) -> None:
@@ -329,6 +380,18 @@ _TRANSIENT_TEXT = re.compile(
     r"Connection reset|Server disconnected|ConnectionReset|reduce your request rate",
     re.IGNORECASE,
 )
+
+
+def error_code_of(exc: BaseException) -> str | None:
+    """The service's error code (``"SlowDown"``, ``"ConditionalRequestConflict"``...)
+    carried by a botocore error in ``exc``'s chain, if any."""
+    for e in _walk_chain(exc):
+        resp = getattr(e, "response", None)
+        if isinstance(resp, Mapping):
+            code = resp.get("Error", {}).get("Code")
+            if code:
+                return str(code)
+    return None
 
 
 def http_status_of(exc: BaseException) -> int | None:
@@ -383,7 +446,7 @@ class AsyncFsspecDriver(Driver):
             raise self.wrap_error("connect", "", exc) from exc
 
     def submit(
-        self, op: str, key: str, make: Callable[[], Awaitable[T]]
+        self, op: str, key: str, make: Callable[[], Awaitable[T]], conditional: str | None = None
     ) -> concurrent.futures.Future[T]:
         """Run ``make()`` on the filesystem loop with timeout and retries; a future."""
 
@@ -399,21 +462,28 @@ class AsyncFsspecDriver(Driver):
             return task.result()
 
         async def run() -> T:
+            tries = 0
             try:
                 async for attempt in self.retry.async_retrying(self.is_transient):
                     with attempt:
+                        tries += 1
                         return await once()
             except BaseException as exc:  # noqa: BLE001 - translated below
                 if isinstance(exc, asyncio.CancelledError):
                     raise
-                raise self.wrap_error(op, key, exc) from exc
+                err = self.wrap_error(op, key, exc, conditional)
+                if isinstance(err, AlreadyExistsError) and tries > 1:
+                    err.retried = True  # an earlier try may have been applied: reconcile
+                raise err from exc
             raise AssertionError("unreachable")  # pragma: no cover
 
         return asyncio.run_coroutine_threadsafe(run(), self._loop())
 
-    def call(self, op: str, key: str, make: Callable[[], Awaitable[T]]) -> T:
+    def call(
+        self, op: str, key: str, make: Callable[[], Awaitable[T]], conditional: str | None = None
+    ) -> T:
         """Like :meth:`submit`, waiting for the result."""
-        return self.submit(op, key, make).result()
+        return self.submit(op, key, make, conditional).result()
 
     # Generic primitives through fsspec's async API --------------------------------------
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -423,9 +493,17 @@ class AsyncFsspecDriver(Driver):
         raw = self.call("info", key, lambda: self.fs._info(self.path(key)))
         if raw.get("type") == "directory":
             raise NotFoundError(f"info: not a file: {self.describe(key)}")
-        return FileInfo(key, int(raw.get("size") or 0), self._native_crc32c(raw), _mtime(raw))
+        return self._file_info(key, raw)
+
+    def _file_info(self, key: str, raw: Mapping[str, Any]) -> FileInfo:
+        return FileInfo(
+            key, int(raw.get("size") or 0), self._native_crc32c(raw), _mtime(raw), self._generation(raw)
+        )
 
     def _native_crc32c(self, raw: Mapping[str, Any]) -> int | None:
+        return None
+
+    def _generation(self, raw: Mapping[str, Any]) -> str | None:
         return None
 
     def _rel(self, path: str) -> str:
@@ -460,14 +538,14 @@ class AsyncFsspecDriver(Driver):
 
         out = self.call("find", prefix, find)
         return {
-            self._rel(name): FileInfo(
-                self._rel(name), int(v.get("size") or 0), self._native_crc32c(v), _mtime(v)
-            )
+            self._rel(name): self._file_info(self._rel(name), v)
             for name, v in out.items()
             if v.get("type") != "directory"
         }
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str, *, if_generation: str | None = None) -> None:
+        if if_generation is not None:
+            raise NotImplementedError(f"{type(self).__name__} has no conditional delete")
         self.call("delete", key, self._rm_one(key))
 
     def delete_tree(self, prefix: str) -> None:
@@ -496,10 +574,17 @@ class BufferedPartWriter(Writer):
 
     max_in_flight = 4
 
-    def __init__(self, driver: AsyncFsspecDriver, key: str, exclusive: bool = False) -> None:
+    def __init__(
+        self,
+        driver: AsyncFsspecDriver,
+        key: str,
+        exclusive: bool = False,
+        if_generation: str | None = None,
+    ) -> None:
         self.driver = driver
         self.key = key
         self.exclusive = exclusive
+        self.if_generation = if_generation
         self.buf = bytearray()
         self.offset = 0  # bytes handed to the backend so far
         self.started = False
@@ -538,10 +623,14 @@ class BufferedPartWriter(Writer):
         if not self.started:
             data = bytes(self.buf)
             try:
-                self.driver.put(self.key, data, exclusive=self.exclusive)
+                self.driver.put(
+                    self.key, data, exclusive=self.exclusive, if_generation=self.if_generation
+                )
             except AlreadyExistsError:
-                # a retried put whose first try landed answers 412: ours if the bytes match
-                if not self.exclusive or self.driver.read(self.key) != data:
+                # A retried put whose first try landed answers 412, and the retry may be
+                # invisible (aiohttp re-sends a PUT on a dropped keep-alive connection):
+                # ours if the bytes match.
+                if self.driver.read(self.key) != data:
                     raise
             self.buf = bytearray()
         else:

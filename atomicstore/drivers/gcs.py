@@ -19,14 +19,16 @@ import base64
 import concurrent.futures
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import gcsfs.core
 import gcsfs.retry
 import requests.exceptions
+from fsspec.dircache import DirCache
 
 from ..errors import InvalidArgumentError
-from .base import AsyncFsspecDriver, BufferedPartWriter, Capabilities, Writer
+from .base import AsyncFsspecDriver, BufferedPartWriter, Capabilities, FileInfo, Writer
 
 CHUNK_MULTIPLE = 256 * 2**10
 
@@ -44,17 +46,29 @@ class _GCSWriter(BufferedPartWriter):
     driver: GCSDriver
     max_in_flight = 1
 
-    def __init__(self, driver: GCSDriver, key: str, exclusive: bool = False) -> None:
-        super().__init__(driver, key, exclusive)
+    def __init__(
+        self, driver: GCSDriver, key: str, exclusive: bool = False, if_generation: str | None = None
+    ) -> None:
+        super().__init__(driver, key, exclusive, if_generation)
         self.location = ""
 
     def _start(self) -> None:
         bucket, obj = self.driver.split(self.key)
-        self.location = self.driver.call(
-            "start upload", self.key, lambda: gcsfs.core.initiate_upload(
-                self.driver.fs, bucket, obj, mode="create" if self.exclusive else "overwrite"
-            ),
-        )
+        fs = self.driver.fs
+
+        async def start() -> str:
+            headers, _ = await fs._call(
+                "POST",
+                f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o?name={quote(obj)}",
+                uploadType="resumable",
+                json={"name": obj},
+                headers={"X-Upload-Content-Type": "application/octet-stream"},
+                **self.driver.condition(self.exclusive, self.if_generation),
+            )
+            loc = headers["Location"]
+            return str(loc[0] if isinstance(loc, list) else loc)
+
+        self.location = self.driver.call("start upload", self.key, start)
 
     def _upload_part(self, data: bytearray, offset: int, final: bool) -> concurrent.futures.Future[Any]:
         total = str(offset + len(data)) if final else "*"
@@ -64,6 +78,7 @@ class _GCSWriter(BufferedPartWriter):
             "upload chunk",
             self.key,
             lambda: self.driver.fs._call("POST", self.location, headers=headers, data=data),
+            "generation" if final and self.if_generation is not None else None,
         )
 
     def _complete(self) -> None:
@@ -99,7 +114,16 @@ class GCSDriver(AsyncFsspecDriver):
 
     @classmethod
     def make_filesystem(cls, protocol: str, storage_options: dict[str, Any]) -> Any:
-        return _NoRetryGCSFileSystem(skip_instance_cache=True, **storage_options)
+        fs = _NoRetryGCSFileSystem(skip_instance_cache=True, **storage_options)
+        fs.dircache = DirCache(use_listings_cache=False)  # no cache answers a protocol question
+        return fs
+
+    @staticmethod
+    def condition(exclusive: bool, if_generation: str | None) -> dict[str, str]:
+        """The GCS precondition query parameters of a conditional write."""
+        if if_generation is not None:
+            return {"ifGenerationMatch": if_generation}
+        return {"ifGenerationMatch": "0"} if exclusive else {}
 
     def split(self, key: str) -> tuple[str, str]:
         bucket, _, obj = self.path(key).partition("/")
@@ -119,9 +143,55 @@ class GCSDriver(AsyncFsspecDriver):
         except ValueError:
             return None
 
-    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
-        return _GCSWriter(self, key, exclusive)
+    def _generation(self, raw: Mapping[str, Any]) -> str | None:
+        gen = raw.get("generation")
+        return str(gen) if gen not in (None, "") else None
 
-    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
-        mode = "create" if exclusive else "overwrite"
-        self.call("put", key, lambda: self.fs._pipe_file(self.path(key), data, mode=mode))
+    def info(self, key: str) -> FileInfo:
+        """A GET of the object's metadata: never a listing, never a cache."""
+        bucket, obj = self.split(key)
+        raw = self.call(
+            "info", key, lambda: self.fs._call("GET", "b/{}/o/{}", bucket, obj, json_out=True)
+        )
+        return self._file_info(key, raw)
+
+    def open_writer(
+        self, key: str, *, exclusive: bool = False, if_generation: str | None = None
+    ) -> Writer:
+        return _GCSWriter(self, key, exclusive, if_generation)
+
+    def put(
+        self, key: str, data: bytes, *, exclusive: bool = False, if_generation: str | None = None
+    ) -> str | None:
+        """One media upload (no ``100 Continue`` dance, no multipart framing)."""
+        bucket, obj = self.split(key)
+        fs = self.fs
+        out = self.call(
+            "put",
+            key,
+            lambda: fs._call(
+                "POST",
+                f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o",
+                uploadType="media",
+                name=obj,
+                headers={"Content-Type": "application/octet-stream"},
+                data=data,
+                json_out=True,
+                **self.condition(exclusive, if_generation),
+            ),
+            "generation" if if_generation is not None else None,
+        )
+        return self._generation(out)
+
+    def delete(self, key: str, *, if_generation: str | None = None) -> None:
+        if if_generation is None:
+            return super().delete(key)
+        bucket, obj = self.split(key)
+
+        async def rm() -> None:
+            try:
+                await self.fs._call("DELETE", "b/{}/o/{}", bucket, obj, ifGenerationMatch=if_generation)
+            except FileNotFoundError:
+                pass  # gone already (a retry of our own delete, or another deleter)
+
+        self.call("delete", key, rm, "generation")

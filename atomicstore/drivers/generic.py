@@ -69,15 +69,20 @@ class GenericDriver(Driver):
         except Exception as exc:
             raise self.wrap_error(op, key, exc) from exc
 
-    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
+    def open_writer(
+        self, key: str, *, exclusive: bool = False, if_generation: str | None = None
+    ) -> Writer:
         if exclusive and self.exists(key):  # not atomic: see the module docstring
             raise AlreadyExistsError(f"open: already exists: {self.describe(key)}")
         return self._run("open", key, _GenericWriter, self, key)
 
-    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+    def put(
+        self, key: str, data: bytes, *, exclusive: bool = False, if_generation: str | None = None
+    ) -> str | None:
         if exclusive and self.exists(key):  # not atomic: see the module docstring
             raise AlreadyExistsError(f"put: already exists: {self.describe(key)}")
         self._run("put", key, self.fs.pipe_file, self.path(key), data)
+        return None
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         return self._run("read", key, self.fs.cat_file, self.path(key), start=start, end=end)
@@ -110,7 +115,7 @@ class GenericDriver(Driver):
             if k.startswith(root)
         }
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str, *, if_generation: str | None = None) -> None:
         try:
             self.fs.rm_file(self.path(key))
         except FileNotFoundError:

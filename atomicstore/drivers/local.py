@@ -11,13 +11,27 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
+import posixpath
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, StorageError
+from ..errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NotFoundError,
+    PreconditionFailedError,
+    StorageError,
+    StorageTimeoutError,
+)
 from .base import Capabilities, Driver, Entry, FileInfo, Writer
+
+#: the store's lock file (kept: recovery never removes it; see :meth:`LocalDriver.lock`)
+LOCK_KEY = ".atomicstore/lock"
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
@@ -40,38 +54,68 @@ _renameat2 = _load_renameat2()
 _RENAME_EXCHANGE = 2
 
 
+def _renameat2_call(a: str, b: str, flags: int) -> int:
+    """0, or the errno of ``renameat2(a, b, flags)`` (ENOSYS if libc lacks it)."""
+    if _renameat2 is None:
+        return errno.ENOSYS
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+_PROBED: dict[int, tuple[bool, bool]] = {}
+
+
+def probe_renameat2(directory: str) -> tuple[bool, bool]:
+    """Which ``renameat2`` flags the filesystem of ``directory`` honours:
+    ``(RENAME_NOREPLACE, RENAME_EXCHANGE)``. NFS and many FUSE mounts answer EINVAL."""
+    base = os.path.join(directory, f".probe-{os.getpid()}-{os.urandom(4).hex()}")
+    a, b, c = base + "a", base + "b", base + "c"
+    os.mkdir(a)
+    try:
+        os.mkdir(b)
+        try:
+            # onto a name that does not exist: the VFS answers EEXIST for an existing target
+            # before the filesystem is asked, so only this shows whether it has the flag
+            noreplace = _renameat2_call(a, c, _RENAME_NOREPLACE) == 0
+            if noreplace:
+                os.rename(c, a)
+            exchange = _renameat2_call(a, b, _RENAME_EXCHANGE) == 0
+        finally:
+            os.rmdir(b)
+    finally:
+        os.rmdir(a)
+    return noreplace, exchange
+
+
+def _raise_errno(err: int, a: str, b: str) -> None:
+    raise OSError(err, os.strerror(err), a, b)
+
+
 def rename_exchange(a: str, b: str) -> None:
-    """Swap ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``).
+    """Swap ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``)."""
+    err = _renameat2_call(a, b, _RENAME_EXCHANGE)
+    if err:
+        _raise_errno(err, a, b)
 
-    Where the kernel or filesystem lacks it, falls back to three renames through a
-    temporary name, which is not atomic (a crash in between leaves ``b`` missing and
-    its old content under ``<a>.xchg``; recovery treats both as uncommitted).
-    """
-    if _renameat2 is not None:
-        if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+
+def rename_noreplace(src: str, dst: str, *, native: bool = True) -> None:
+    """``rename(src, dst)`` that fails with ``FileExistsError`` if ``dst`` exists, in one
+    atomic step: ``renameat2(RENAME_NOREPLACE)`` where the filesystem has it; otherwise
+    ``link(2)`` + unlink for a file (link never replaces), and ``rename(2)`` for a
+    directory (which fails on a non-empty target; a committed checkpoint is never
+    empty)."""
+    if native:
+        err = _renameat2_call(src, dst, _RENAME_NOREPLACE)
+        if err == 0:
             return
-        err = ctypes.get_errno()
-        if err not in (errno.ENOSYS, errno.EINVAL):
-            raise OSError(err, os.strerror(err), a, b)
-    tmp = a + ".xchg"
-    os.rename(b, tmp)
-    os.rename(a, b)
-    os.rename(tmp, a)
-
-
-def rename_noreplace(src: str, dst: str) -> None:
-    """``rename(src, dst)`` that fails with ``FileExistsError`` if ``dst`` exists."""
-    if _renameat2 is not None:
-        if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
-            return
-        err = ctypes.get_errno()
         if err not in (errno.ENOSYS, errno.EINVAL):  # EINVAL: filesystem lacks the flag
-            raise OSError(err, os.strerror(err), src, dst)
-    # Fallback: a rename onto a non-empty directory fails (ENOTEMPTY/EEXIST), and the
-    # commit layer never renames onto a name that could be an empty directory.
-    if os.path.lexists(dst):
-        raise FileExistsError(errno.EEXIST, "exists", dst)
-    os.rename(src, dst)
+            _raise_errno(err, src, dst)
+    if os.path.isdir(src):
+        os.rename(src, dst)
+    else:
+        os.link(src, dst)
+        os.unlink(src)
 
 
 def _ignore_vanished(func: Any, path: str, exc_info: Any) -> None:
@@ -113,14 +157,25 @@ class _LocalWriter(Writer):
             pass
 
 
+def _generation(st: os.stat_result) -> str:
+    """A file's generation: its inode and content modification time (a replaced file is a
+    new inode; rename and link keep both)."""
+    return f"{st.st_ino}.{st.st_mtime_ns}"
+
+
+def temp_sibling(path: str) -> str:
+    """A hidden temporary name next to ``path`` (short whatever the name's length; the
+    pattern recovery recognises as a stale single-file temporary)."""
+    return f"{os.path.dirname(path)}/.{os.path.basename(path)[:48]}.put-{os.getpid()}-{os.urandom(6).hex()}"
+
+
 class _ExclusiveLocalWriter(Writer):
     """Streams into a hidden sibling; ``close`` fsyncs and links it to the name, which
     fails if the name exists."""
 
     def __init__(self, driver: LocalDriver, key: str) -> None:
         self.driver, self.key = driver, key
-        path = driver.path(key)
-        self.tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.put-{os.getpid()}-{os.urandom(6).hex()}"
+        self.tmp = temp_sibling(driver.path(key))
         self.w = driver._os("open", key, _LocalWriter, self.tmp)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -142,12 +197,37 @@ class _ExclusiveLocalWriter(Writer):
 
 
 class LocalDriver(Driver):
-    """Local disk. Commit strategy: stage, fsync, rename, fsync parent."""
+    """Local disk. Commit strategy: stage, fsync, rename, fsync parent.
+
+    When the store opens, the driver probes whether the filesystem honours
+    ``renameat2(RENAME_NOREPLACE)`` and ``RENAME_EXCHANGE`` (NFS and many FUSE mounts do
+    not). Without NOREPLACE it uses ``link(2)`` for files and ``rename(2)`` onto a
+    non-empty directory for directories (both refuse an existing target atomically);
+    without EXCHANGE a file is replaced by ``rename(2)`` (atomic) and replacing a
+    directory is refused with a clear error. ``ATOMICSTORE_LOCAL_RENAMEAT2=none`` forces
+    the fallbacks (to test them on a filesystem that has the flags).
+    """
 
     protocols = ("file", "local")
     capabilities = Capabilities(
         atomic_rename=True, atomic_create=True, durable_fsync=True, directories=True
     )
+
+    def __init__(self, fs: Any, root: str, **kwargs: Any) -> None:
+        super().__init__(fs, root, **kwargs)
+        self._lock_depth = threading.local()
+        #: whether a whole directory can replace another atomically (RENAME_EXCHANGE)
+        if os.environ.get("ATOMICSTORE_LOCAL_RENAMEAT2", "").lower() == "none":
+            self.has_noreplace, self.has_exchange = False, False
+        else:
+            try:
+                dev = os.stat(root).st_dev
+                if dev not in _PROBED:  # once per filesystem and process
+                    _PROBED[dev] = probe_renameat2(root)
+                self.has_noreplace, self.has_exchange = _PROBED[dev]
+            except OSError:  # a read-only store: nothing will be renamed
+                self.has_noreplace, self.has_exchange = False, False
+        self.replaces_directories = self.has_exchange
 
     @classmethod
     def from_url(
@@ -195,33 +275,45 @@ class LocalDriver(Driver):
                 raise AlreadyExistsError(f"{op}: already exists: {self.describe(key)}") from exc
             raise StorageError(f"{op} {self.describe(key)} failed: {exc.strerror or exc}") from exc
 
-    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
+    def open_writer(
+        self, key: str, *, exclusive: bool = False, if_generation: str | None = None
+    ) -> Writer:
+        if if_generation is not None:
+            raise NotImplementedError("local files are replaced by staging and renaming")
         path = self.path(key)
         self.makedirs(os.path.dirname(key))
         if exclusive:
             return _ExclusiveLocalWriter(self, key)
         return self._os("open", key, _LocalWriter, path)
 
-    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
-        """Atomic small write: temp file, fsync, then ``link`` (exclusive) or ``replace``."""
-        self._put(key, data, exclusive=exclusive, durable=True)
+    def put(
+        self, key: str, data: bytes, *, exclusive: bool = False, if_generation: str | None = None
+    ) -> str | None:
+        """Atomic small write: temp file, fsync, then ``link`` (exclusive) or ``replace``
+        (under the store lock, after checking the generation, with ``if_generation``)."""
+        return self._put(key, data, exclusive=exclusive, durable=True, if_generation=if_generation)
 
-    def put_volatile(self, key: str, data: bytes) -> None:
-        self._put(key, data, exclusive=False, durable=False)
+    def put_volatile(self, key: str, data: bytes, *, if_generation: str | None = None) -> str | None:
+        return self._put(key, data, exclusive=False, durable=False, if_generation=if_generation)
 
-    def _put(self, key: str, data: bytes, *, exclusive: bool, durable: bool) -> None:
+    def _put(self, key: str, data: bytes, *, exclusive: bool, durable: bool,
+             if_generation: str | None = None) -> str | None:
         path = self.path(key)
-        parent = os.path.dirname(path)
         self.makedirs(os.path.dirname(key))
-        tmp = f"{parent}/.{os.path.basename(path)}.put-{os.getpid()}-{os.urandom(6).hex()}"
+        tmp = temp_sibling(path)
         w = self._os("put", key, _LocalWriter, tmp)
         w.durable = durable
         try:
             w.write(data)
             w.close()
+            gen = _generation(os.stat(tmp))  # the inode keeps it through link/rename
             if exclusive:
                 self._os("put", key, os.link, tmp, path)
                 os.unlink(tmp)
+            elif if_generation is not None:
+                with self.lock():
+                    self._check_generation(key, if_generation)
+                    self._os("put", key, os.replace, tmp, path)
             else:
                 self._os("put", key, os.replace, tmp, path)
         except BaseException:
@@ -229,6 +321,53 @@ class LocalDriver(Driver):
             raise
         if durable:
             self.fsync_dir(os.path.dirname(key))
+        return gen
+
+    def _check_generation(self, key: str, if_generation: str) -> None:
+        try:
+            gen = self.info(key).generation
+        except NotFoundError:
+            gen = None
+        if gen != if_generation:
+            raise PreconditionFailedError(f"{self.describe(key)} changed since it was read")
+
+    @contextlib.contextmanager
+    def lock(self, timeout: float = 60.0) -> Iterator[None]:
+        """``flock`` on ``.atomicstore/lock`` (NFS emulates it with POSIX locks, per
+        process) plus the process's own lock; re-entrant within a thread. The kernel drops
+        it when the process dies, so a crashed holder never blocks the store."""
+        depth = getattr(self._lock_depth, "n", 0)
+        if depth:
+            self._lock_depth.n = depth + 1
+            try:
+                yield
+            finally:
+                self._lock_depth.n -= 1
+            return
+        deadline = time.monotonic() + timeout
+        with super().lock(timeout):
+            self.makedirs(posixpath.dirname(LOCK_KEY))
+            fd = self._os("lock", LOCK_KEY, os.open, self.path(LOCK_KEY),
+                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise StorageTimeoutError(
+                                f"could not lock {self.describe(LOCK_KEY)} within "
+                                f"{timeout}s (another process holds it)"
+                            ) from None
+                        time.sleep(0.005)
+                self._lock_depth.n = 1
+                try:
+                    yield
+                finally:
+                    self._lock_depth.n = 0
+            finally:
+                os.close(fd)  # releases the flock
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         def _read() -> bytes:
@@ -268,7 +407,7 @@ class LocalDriver(Driver):
         st = self._os("info", key, os.stat, self.path(key))
         if not os.path.isfile(self.path(key)):
             raise NotFoundError(f"info: not a file: {self.describe(key)}")
-        return FileInfo(key, st.st_size, None, st.st_mtime)
+        return FileInfo(key, st.st_size, None, st.st_mtime, _generation(st))
 
     def exists(self, key: str) -> bool:
         return os.path.lexists(self.path(key))
@@ -297,7 +436,13 @@ class LocalDriver(Driver):
                 out[key] = FileInfo(key, st.st_size, None, st.st_mtime)
         return out
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str, *, if_generation: str | None = None) -> None:
+        if if_generation is not None:
+            with self.lock():
+                if os.path.lexists(self.path(key)):
+                    self._check_generation(key, if_generation)
+                    self.delete(key)
+            return
         try:
             os.unlink(self.path(key))
         except FileNotFoundError:
@@ -313,10 +458,21 @@ class LocalDriver(Driver):
             self.delete(prefix)
 
     def rename(self, src: str, dst: str) -> None:
-        self._os("rename", dst, rename_noreplace, self.path(src), self.path(dst))
+        self._os("rename", dst, lambda a, b: rename_noreplace(a, b, native=self.has_noreplace),
+                 self.path(src), self.path(dst))
 
     def exchange(self, a: str, b: str) -> None:
-        self._os("exchange", b, rename_exchange, self.path(a), self.path(b))
+        if self.has_exchange:
+            return self._os("exchange", b, rename_exchange, self.path(a), self.path(b))
+        if os.path.isdir(self.path(a)):
+            raise StorageError(
+                f"cannot replace {self.describe(b)} atomically: this filesystem lacks "
+                "renameat2(RENAME_EXCHANGE) (NFS, FUSE); delete the checkpoint, then save it"
+            )
+        # a file is replaced atomically by rename(2); the old one is dropped, not swapped
+        if not os.path.lexists(self.path(b)):
+            raise NotFoundError(f"exchange: not found: {self.describe(b)}")
+        self._os("exchange", b, os.replace, self.path(a), self.path(b))
 
     def makedirs(self, key: str) -> None:
         self._os("mkdir", key, os.makedirs, self.path(key), 0o755, True)

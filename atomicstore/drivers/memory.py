@@ -7,26 +7,52 @@ Nothing is durable (it is memory), so fsync is moot. Strategy: rename.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import itertools
 import threading
+from collections.abc import Iterator
 from typing import Any
 
-from ..errors import AlreadyExistsError, NotFoundError
+from ..errors import AlreadyExistsError, NotFoundError, PreconditionFailedError, StorageTimeoutError
 from .base import Capabilities, Driver, Entry, FileInfo, Writer
 
 _LOCK = threading.RLock()
 
 
+@contextlib.contextmanager
+def _timed(lock: threading.RLock, timeout: float) -> Iterator[None]:
+    if not lock.acquire(timeout=timeout):
+        raise StorageTimeoutError(f"could not take the memory store lock within {timeout}s")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+_GENERATIONS = itertools.count(1)
+
+
+def _generation(f: Any) -> str:
+    """The generation of a stored file: a counter stamped on it when it was written."""
+    gen = getattr(f, "atomicstore_generation", None)
+    if gen is None:
+        gen = f.atomicstore_generation = next(_GENERATIONS)
+    return str(gen)
+
+
 class _MemoryWriter(Writer):
-    def __init__(self, driver: MemoryDriver, key: str, exclusive: bool) -> None:
+    def __init__(self, driver: MemoryDriver, key: str, exclusive: bool, if_generation: str | None) -> None:
         self.driver, self.key, self.buf, self.exclusive = driver, key, io.BytesIO(), exclusive
+        self.if_generation = if_generation
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.buf.write(data)
 
     def close(self) -> None:
         if self.buf is not None:
-            self.driver.put(self.key, self.buf.getvalue(), exclusive=self.exclusive)
+            self.driver.put(self.key, self.buf.getvalue(), exclusive=self.exclusive,
+                            if_generation=self.if_generation)
             self.buf = None  # type: ignore[assignment]
 
     def abort(self) -> None:
@@ -54,15 +80,31 @@ class MemoryDriver(Driver):
         base = self.path(prefix).rstrip("/") + "/"
         return [k for k in self._store() if k.startswith(base)]
 
-    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
-        return _MemoryWriter(self, key, exclusive)
+    def open_writer(
+        self, key: str, *, exclusive: bool = False, if_generation: str | None = None
+    ) -> Writer:
+        return _MemoryWriter(self, key, exclusive, if_generation)
 
-    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+    def put(
+        self, key: str, data: bytes, *, exclusive: bool = False, if_generation: str | None = None
+    ) -> str | None:
         with _LOCK:
             path = self.path(key)
             if exclusive and (path in self._store() or self._children(key)):
                 raise AlreadyExistsError(f"put: already exists: {self.describe(key)}")
+            self._check_generation(key, if_generation)
             self.fs.pipe_file(path, bytes(data))
+            return _generation(self._store()[path])
+
+    def _check_generation(self, key: str, if_generation: str | None) -> None:
+        if if_generation is None:
+            return
+        f = self._store().get(self.path(key))
+        if f is None or _generation(f) != if_generation:
+            raise PreconditionFailedError(f"{self.describe(key)} changed since it was read")
+
+    def lock(self, timeout: float = 60.0) -> contextlib.AbstractContextManager[None]:
+        return _timed(_LOCK, timeout)
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         with _LOCK:
@@ -76,7 +118,7 @@ class MemoryDriver(Driver):
             f = self._store().get(self.path(key))
             if f is None:
                 raise NotFoundError(f"info: not found: {self.describe(key)}")
-            return FileInfo(key, f.getbuffer().nbytes, None, f.modified.timestamp())
+            return FileInfo(key, f.getbuffer().nbytes, None, f.modified.timestamp(), _generation(f))
 
     def exists(self, key: str) -> bool:
         with _LOCK:
@@ -99,11 +141,13 @@ class MemoryDriver(Driver):
             for k in self._children(prefix):
                 rel = k[len(root):]
                 f = self._store()[k]
-                out[rel] = FileInfo(rel, f.getbuffer().nbytes, None, f.modified.timestamp())
+                out[rel] = FileInfo(rel, f.getbuffer().nbytes, None, f.modified.timestamp(), _generation(f))
             return out
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str, *, if_generation: str | None = None) -> None:
         with _LOCK:
+            if if_generation is not None and self.path(key) in self._store():
+                self._check_generation(key, if_generation)
             self._store().pop(self.path(key), None)
 
     def delete_tree(self, prefix: str) -> None:

@@ -12,6 +12,8 @@ retried by the store's :class:`~atomicstore.retry.RetryPolicy` instead.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+from collections.abc import Mapping
 from datetime import datetime
 from functools import partial
 from typing import Any
@@ -19,9 +21,24 @@ from typing import Any
 import aiohttp
 import botocore.exceptions
 import s3fs
+from fsspec.dircache import DirCache
 
-from ..errors import InvalidArgumentError
-from .base import AsyncFsspecDriver, BufferedPartWriter, Capabilities, Writer
+from ..errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NotFoundError,
+    PreconditionFailedError,
+    StorageError,
+)
+from .base import (
+    AsyncFsspecDriver,
+    BufferedPartWriter,
+    Capabilities,
+    FileInfo,
+    Writer,
+    error_code_of,
+    http_status_of,
+)
 
 MIN_PART = 5 * 2**20
 #: S3 checks every part against this checksum (computed by botocore with zlib, no extra
@@ -29,11 +46,20 @@ MIN_PART = 5 * 2**20
 PART_CHECKSUM = "CRC32"
 
 
+def _is_409(exc: BaseException) -> bool:
+    """S3's ``409 ConditionalRequestConflict`` (racing conditional writes of one key)."""
+    return error_code_of(exc) == "ConditionalRequestConflict" or (
+        http_status_of(exc) == 409 and "ConditionalRequestConflict" in str(exc)
+    )
+
+
 class _S3Writer(BufferedPartWriter):
     driver: S3Driver
 
-    def __init__(self, driver: S3Driver, key: str, exclusive: bool = False) -> None:
-        super().__init__(driver, key, exclusive)
+    def __init__(
+        self, driver: S3Driver, key: str, exclusive: bool = False, if_generation: str | None = None
+    ) -> None:
+        super().__init__(driver, key, exclusive, if_generation)
         self.bucket, self.obj = driver.split(key)
         self.upload_id = ""
         self.parts: dict[int, tuple[str, str | None]] = {}
@@ -73,19 +99,45 @@ class _S3Writer(BufferedPartWriter):
             if checksum:
                 part[f"Checksum{PART_CHECKSUM}"] = checksum
             parts.append(part)
-        self.driver.call(
-            "complete multipart upload",
-            self.key,
-            lambda: self.driver.s3call(
-                "complete_multipart_upload",
-                Bucket=self.bucket,
-                Key=self.obj,
-                UploadId=self.upload_id,
-                MultipartUpload={"Parts": parts},
-                # completing the same upload again succeeds, so a retry is safe
-                **({"IfNoneMatch": "*"} if self.exclusive else {}),
-            ),
-        )
+        cond = self.driver.condition(self.exclusive, self.if_generation)
+        try:
+            self.driver.call(
+                "complete multipart upload",
+                self.key,
+                lambda: self.driver.s3call(
+                    "complete_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=self.obj,
+                    UploadId=self.upload_id,
+                    MultipartUpload={"Parts": parts},
+                    # completing the same upload again succeeds, so a retry is safe
+                    **cond,
+                ),
+                "generation" if self.if_generation is not None else None,
+            )
+        except (AlreadyExistsError, StorageError) as exc:
+            # A retry after a lost reply may be refused (412), and a 409
+            # ConditionalRequestConflict ends this upload (AWS: start it again, which a
+            # stream cannot): either way the object may be ours. Read it back.
+            if not cond or not (getattr(exc, "retried", False) or _is_409(exc)):
+                raise
+            if self._landed(parts):
+                return
+            if isinstance(exc, AlreadyExistsError):
+                raise
+            raise (PreconditionFailedError if self.if_generation else AlreadyExistsError)(
+                f"complete {self.driver.describe(self.key)}: a concurrent conditional write "
+                "of the same key won (409 ConditionalRequestConflict)"
+            ) from exc
+
+    def _landed(self, parts: list[dict[str, Any]]) -> bool:
+        """True if the object now at the key is this upload (its multipart ETag)."""
+        try:
+            etag = self.driver.info(self.key).generation
+        except NotFoundError:
+            return False
+        digests = b"".join(bytes.fromhex(p["ETag"].strip('"')) for p in parts)
+        return etag == f"{hashlib.md5(digests).hexdigest()}-{len(parts)}"
 
     def _abort(self) -> None:
         self.driver.abort_upload(self.key, self.upload_id)
@@ -109,6 +161,11 @@ class S3Driver(AsyncFsspecDriver):
         aiohttp.ClientError,
     )
 
+    def is_transient(self, exc: BaseException) -> bool:
+        # 409 ConditionalRequestConflict: another conditional write of the key was in
+        # progress; AWS says retry (a multipart completion is reconciled by its writer)
+        return _is_409(exc) or super().is_transient(exc)
+
     def __init__(self, fs: Any, root: str, **kwargs: Any) -> None:
         super().__init__(fs, root, **kwargs)
         if self.block_size < MIN_PART:
@@ -123,7 +180,15 @@ class S3Driver(AsyncFsspecDriver):
         opts["config_kwargs"] = config
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
         fs.retries = 1  # one try per s3fs call: our retry policy is the only one
+        fs.dircache = DirCache(use_listings_cache=False)  # no cache answers a protocol question
         return fs
+
+    @staticmethod
+    def condition(exclusive: bool, if_generation: str | None) -> dict[str, str]:
+        """The S3 precondition headers of a conditional write."""
+        if if_generation is not None:
+            return {"IfMatch": if_generation}
+        return {"IfNoneMatch": "*"} if exclusive else {}
 
     def split(self, key: str) -> tuple[str, str]:
         bucket, _, obj = self.path(key).partition("/")
@@ -132,17 +197,58 @@ class S3Driver(AsyncFsspecDriver):
     async def s3call(self, method: str, **kwargs: Any) -> Any:
         return await self.fs._call_s3(method, **kwargs)
 
-    def open_writer(self, key: str, *, exclusive: bool = False) -> Writer:
-        return _S3Writer(self, key, exclusive)
+    def open_writer(
+        self, key: str, *, exclusive: bool = False, if_generation: str | None = None
+    ) -> Writer:
+        return _S3Writer(self, key, exclusive, if_generation)
 
-    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+    def put(
+        self, key: str, data: bytes, *, exclusive: bool = False, if_generation: str | None = None
+    ) -> str | None:
         bucket, obj = self.split(key)
-        extra = {"IfNoneMatch": "*"} if exclusive else {}
-        self.call(
-            "put",
+        extra = self.condition(exclusive, if_generation)
+        try:
+            out = self.call(
+                "put",
+                key,
+                lambda: self.s3call("put_object", Bucket=bucket, Key=obj, Body=data, **extra),
+                "generation" if if_generation is not None else None,
+            )
+        except NotFoundError:
+            if if_generation is None:
+                raise
+            raise PreconditionFailedError(f"put: {self.describe(key)} is gone") from None
+        return self._generation(out)
+
+    def info(self, key: str) -> FileInfo:
+        """A HEAD of the object itself: never a listing, never a cache."""
+        bucket, obj = self.split(key)
+        head = self.call("info", key, lambda: self.s3call("head_object", Bucket=bucket, Key=obj))
+        modified = head.get("LastModified")
+        return FileInfo(
             key,
-            lambda: self.s3call("put_object", Bucket=bucket, Key=obj, Body=data, **extra),
+            int(head.get("ContentLength") or 0),
+            None,
+            modified.timestamp() if isinstance(modified, datetime) else None,
+            str(head.get("ETag", "")).strip('"') or None,
         )
+
+    def _generation(self, raw: Mapping[str, Any]) -> str | None:
+        etag = raw.get("ETag") or raw.get("etag")
+        return str(etag).strip('"') if etag else None
+
+    def delete(self, key: str, *, if_generation: str | None = None) -> None:
+        if if_generation is None:
+            return super().delete(key)
+        bucket, obj = self.split(key)
+
+        async def rm() -> None:
+            try:
+                await self.s3call("delete_object", Bucket=bucket, Key=obj, IfMatch=if_generation)
+            except FileNotFoundError:
+                pass  # gone already (a retry of our own delete, or another deleter)
+
+        self.call("delete", key, rm, "generation")
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         bucket, obj = self.split(key)
