@@ -543,10 +543,26 @@ class AsyncFsspecDriver(Driver):
             if v.get("type") != "directory"
         }
 
+    def split(self, key: str) -> tuple[str, str]:
+        """(bucket, object name) of ``key``."""
+        bucket, _, obj = self.path(key).partition("/")
+        return bucket, obj
+
     def delete(self, key: str, *, if_generation: str | None = None) -> None:
-        if if_generation is not None:
-            raise NotImplementedError(f"{type(self).__name__} has no conditional delete")
-        self.call("delete", key, self._rm_one(key))
+        if if_generation is None:
+            return self.call("delete", key, self._rm_one(key))
+
+        async def rm() -> None:
+            try:
+                await self._delete_if(key, if_generation)
+            except FileNotFoundError:
+                pass  # gone already (a retry of our own delete, or another deleter)
+
+        self.call("delete", key, rm, "generation")
+
+    async def _delete_if(self, key: str, generation: str) -> None:
+        """Delete ``key`` only at ``generation`` (the backend's precondition)."""
+        raise NotImplementedError(f"{type(self).__name__} has no conditional delete")
 
     def delete_tree(self, prefix: str) -> None:
         keys = sorted(self.find(prefix), reverse=True)

@@ -125,10 +125,6 @@ class GCSDriver(AsyncFsspecDriver):
             return {"ifGenerationMatch": if_generation}
         return {"ifGenerationMatch": "0"} if exclusive else {}
 
-    def split(self, key: str) -> tuple[str, str]:
-        bucket, _, obj = self.path(key).partition("/")
-        return bucket, obj
-
     def is_transient(self, exc: BaseException) -> bool:
         if isinstance(exc, gcsfs.retry.HttpError):
             return gcsfs.retry.is_retriable(exc)
@@ -183,15 +179,6 @@ class GCSDriver(AsyncFsspecDriver):
         )
         return self._generation(out)
 
-    def delete(self, key: str, *, if_generation: str | None = None) -> None:
-        if if_generation is None:
-            return super().delete(key)
+    async def _delete_if(self, key: str, generation: str) -> None:
         bucket, obj = self.split(key)
-
-        async def rm() -> None:
-            try:
-                await self.fs._call("DELETE", "b/{}/o/{}", bucket, obj, ifGenerationMatch=if_generation)
-            except FileNotFoundError:
-                pass  # gone already (a retry of our own delete, or another deleter)
-
-        self.call("delete", key, rm, "generation")
+        await self.fs._call("DELETE", "b/{}/o/{}", bucket, obj, ifGenerationMatch=generation)

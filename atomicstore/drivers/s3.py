@@ -190,10 +190,6 @@ class S3Driver(AsyncFsspecDriver):
             return {"IfMatch": if_generation}
         return {"IfNoneMatch": "*"} if exclusive else {}
 
-    def split(self, key: str) -> tuple[str, str]:
-        bucket, _, obj = self.path(key).partition("/")
-        return bucket, obj
-
     async def s3call(self, method: str, **kwargs: Any) -> Any:
         return await self.fs._call_s3(method, **kwargs)
 
@@ -237,18 +233,9 @@ class S3Driver(AsyncFsspecDriver):
         etag = raw.get("ETag") or raw.get("etag")
         return str(etag).strip('"') if etag else None
 
-    def delete(self, key: str, *, if_generation: str | None = None) -> None:
-        if if_generation is None:
-            return super().delete(key)
+    async def _delete_if(self, key: str, generation: str) -> None:
         bucket, obj = self.split(key)
-
-        async def rm() -> None:
-            try:
-                await self.s3call("delete_object", Bucket=bucket, Key=obj, IfMatch=if_generation)
-            except FileNotFoundError:
-                pass  # gone already (a retry of our own delete, or another deleter)
-
-        self.call("delete", key, rm, "generation")
+        await self.s3call("delete_object", Bucket=bucket, Key=obj, IfMatch=generation)
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         bucket, obj = self.split(key)
