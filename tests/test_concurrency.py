@@ -265,6 +265,28 @@ def test_row6_recovery_leaves_an_in_flight_one_file_upload_alone(
     assert store.driver.read("checkpoint_7") == data
 
 
+def test_row6_recovery_leaves_a_committed_gda_alone_while_its_main_file_is_in_flight(
+    backend: Backend,
+) -> None:
+    """The multi-process layout: the step's ``_gda`` is committed, its main file is being
+    written (a one-file save under a lease) when recovery runs with every file older than
+    grace. The ``_gda`` looks orphaned in the listing but must survive."""
+    store = backend.open()
+    with store.transaction("checkpoint_8_gda") as txn:
+        txn.write_bytes("arrays.json", b'{"format": "atomicstore.gda/1", "arrays": []}')
+    main = store.one_file("checkpoint_8")  # the main file's save, in flight
+    main.write(b"main state")
+    report = backend.open().recover(grace=0, flax_prefix="checkpoint_")
+    assert store.exists("checkpoint_8_gda"), (
+        "row 6: a save in flight is never touched by recovery, in every layout (a committed "
+        f"_gda whose main file is being written is not an orphan); recovery: {report.summary()}")
+    main.commit()
+    assert store.driver.read("checkpoint_8") == b"main state"
+    store.verify("checkpoint_8_gda")
+    after = backend.open().recover(now=FUTURE, flax_prefix="checkpoint_")
+    assert store.exists("checkpoint_8_gda"), after.summary()
+
+
 # -- row 9: overwrite is a compare-and-swap ------------------------------------------------
 def test_row9_of_two_overwriters_from_one_checkpoint_exactly_one_wins(backend: Backend) -> None:
     store = backend.open()

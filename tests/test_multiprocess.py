@@ -162,7 +162,7 @@ def test_orphaned_gda_is_removed_by_recovery(tmp_path, request):
     assert ROWS == 64
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
 def test_a_second_job_on_a_step_being_committed_conflicts(kind, request, tmp_path):
     """Issue 11, row 3: job A is between its two commits (its _gda committed, its main
     file not yet) when job B saves the same step without overwrite: B must get a conflict
