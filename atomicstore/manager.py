@@ -206,18 +206,24 @@ class CheckpointManager:
                 "version": _version(), "milestone": milestone, "ephemeral": ephemeral, "step": step,
                 "items": json.loads(json.dumps(items or {}))}
         if not self.async_save:
-            self._save_now(step, tree, meta, newer if overwrite else [])
+            self._save_now(step, tree, meta, self._generations(newer) if overwrite else {})
             return
         snap = _snapshot(tree, copy)
         self._slots.acquire()
         self.wait_until_finished(_raise=False)  # saves are ordered
-        t = threading.Thread(target=self._background, args=(step, snap, meta, newer if overwrite else []),
+        gens = self._generations(newer) if overwrite else {}
+        t = threading.Thread(target=self._background, args=(step, snap, meta, gens),
                              name=f"atomicstore-save-{step}", daemon=True)
         with self._lock:
             self._pending.append(t)
         t.start()
 
-    def _background(self, step: Step, tree: Any, meta: dict, newer: list[Step]) -> None:
+    def _generations(self, steps: list[Step]) -> dict[Step, str | None]:
+        """Which checkpoint each of ``steps`` is now (read when the save is called), so
+        that removing them later removes only those, never one saved since."""
+        return {s: self.store.strategy.current(self._name(s)) for s in steps}
+
+    def _background(self, step: Step, tree: Any, meta: dict, newer: dict[Step, str | None]) -> None:
         try:
             self._save_now(step, tree, meta, newer)
         except BaseException as exc:  # noqa: BLE001 - kept and raised on the next call
@@ -227,7 +233,7 @@ class CheckpointManager:
         finally:
             self._slots.release()
 
-    def _save_now(self, step: Step, tree: Any, meta: dict, newer: list[Step]) -> None:
+    def _save_now(self, step: Step, tree: Any, meta: dict, newer: dict[Step, str | None]) -> None:
         t0 = time.monotonic()
         _save(f"{self.store.url}/{self._name(step)}", tree, store=self.store, metadata=meta,
               overwrite=step in newer)
@@ -235,12 +241,12 @@ class CheckpointManager:
         _record(WRITE_EVENT, dt)
         log.info("saved step %s in %.3fs", step, dt)
         # flax: overwriting removes newer steps, here only once the new step committed
-        for s in newer:
-            if s != step:
-                try:
-                    self.store.delete(self._name(s))
-                except NotFoundError:
-                    pass  # deleted by someone else meanwhile
+        for s, gen in newer.items():
+            if s != step and gen is not None:
+                try:  # only the checkpoint that was there when save was called
+                    self.store.delete(self._name(s), if_attempt=gen)
+                except (NotFoundError, PreconditionFailedError):
+                    pass  # deleted, or saved again, by someone else meanwhile
         self._retain(step, meta)
 
     def _readable_metadata(self, steps: list[Step]) -> dict[Step, dict[str, Any]]:

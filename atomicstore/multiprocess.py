@@ -34,6 +34,7 @@ import concurrent.futures
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -324,17 +325,25 @@ class _Arrays:
         where = self.ckpt.where(ARRAYS_FILE)
         try:
             meta = json.loads(self.ckpt.read_bytes(ARRAYS_FILE))
-            assert meta["format"] == ARRAYS_FORMAT
+            if meta["format"] != ARRAYS_FORMAT:
+                raise ValueError(f"format {meta['format']!r}")
             self.arrays = {a["key"]: a for a in meta["arrays"]}
             for a in self.arrays.values():
                 a["dtype_"] = parse_dtype(a["dtype"], path=ARRAYS_FILE, leaf=str(a["key"]), where=where)
-                a["shape"] = tuple(int(n) for n in a["shape"])
+                a["shape"] = tuple(_count(n) for n in a["shape"])
                 for s in a["shards"]:
-                    if len(s["start"]) != len(a["shape"]) or len(s["shape"]) != len(a["shape"]):
+                    start, shape = [_count(n) for n in s["start"]], [_count(n) for n in s["shape"]]
+                    if len(start) != len(a["shape"]) or len(shape) != len(a["shape"]):
                         raise ValueError(f"shard {s['file']} has the wrong rank")
-                    if s["file"] not in self.ckpt.files:
+                    if any(b + n > g for b, n, g in zip(start, shape, a["shape"], strict=True)):
+                        raise ValueError(f"shard {s['file']} lies outside its array")
+                    entry = self.ckpt.files.get(s["file"])
+                    if entry is None:
                         raise ValueError(f"shard {s['file']} is not in the manifest")
-        except (ValueError, KeyError, TypeError, AssertionError) as exc:
+                    # every length read from storage is checked before anything is allocated
+                    if math.prod(shape) * a["dtype_"].itemsize != entry.size:
+                        raise ValueError(f"shard {s['file']} does not have the size of its shape")
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise CorruptionError(f"{where}: unreadable array index: {exc}", path=ARRAYS_FILE) from None
         self.threads = threads
 
@@ -429,6 +438,13 @@ def restore_placeholders(st: Store, name: str, tree: Any, target: Any, *, allow_
             for dev, idx in index_map.items() if idx is not None])
 
     return rebuild(tree, fill)
+
+
+def _count(n: Any) -> int:
+    """A non-negative int from storage (a dimension or an offset), else ValueError."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < 2**62:
+        raise ValueError(f"bad dimension {n!r}")
+    return n
 
 
 def _norm(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

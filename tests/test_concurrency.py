@@ -287,6 +287,64 @@ def test_row6_recovery_leaves_a_committed_gda_alone_while_its_main_file_is_in_fl
     assert store.exists("checkpoint_8_gda"), after.summary()
 
 
+@pytest.mark.parametrize("overwrite", [False, True], ids=["create", "overwrite"])
+def test_row4_a_commit_landing_after_recovery_removed_its_data_is_taken_back(
+    object_backend: Backend, overwrite: bool
+) -> None:
+    """The writer passed its lease check, then its marker PUT was held in flight (a paused
+    VM, a slow network) while the restarted job recovered and removed its data. When the
+    PUT lands, the writer finds its manifest gone, takes the marker back (puts the
+    replaced one back for an overwrite) and raises LeaseLostError; the store holds exactly
+    what it held before."""
+    store = object_backend.open(lease_ttl=60, grace=120)
+    if overwrite:
+        save(store, "ck", b"previous good checkpoint")
+    marker_put = Once(writes_object(f"ck/{MARKER}"))
+    object_backend.faults(FaultPlan(stalls=[(marker_put, 2.0)]))
+    txn = store.transaction("ck", overwrite=overwrite)
+    txn.write_bytes("state.bin", b"zombie")
+    t, result = in_thread(txn.commit)
+    assert marker_put.fired.wait(20), "the marker PUT never came"
+    report = object_backend.open().recover(now=FUTURE)  # the frozen writer is declared dead
+    t.join(60)
+    object_backend.faults(None)
+    assert result and result[0].startswith("LeaseLostError"), (
+        f"row 4: a writer declared dead must not commit; it was told {result}; recovery: "
+        f"{report.summary()}"
+    )
+    if overwrite:
+        assert store.list() == ["ck"] and verifies(store, "ck") == "", verifies(store, "ck")
+        assert store.read_bytes("ck", "state.bin") == b"previous good checkpoint"
+    else:
+        assert store.list() == []
+
+
+def test_a_committed_overwrite_is_reported_committed_when_cleanup_fails(
+    object_backend: Backend,
+) -> None:
+    """Deleting the replaced checkpoint's data comes after the commit point: its failure
+    must not turn a commit into a reported failure (recovery removes the data later)."""
+    store = object_backend.open(retry=atomicstore.RetryPolicy(attempts=2, initial_wait=0.01))
+    save(store, "ck", b"old")
+    old = store.manifest("ck").attempt
+    object_backend.faults(
+        FaultPlan(
+            error_rate=1.0,
+            applies_to=lambda env: (
+                env.get("REQUEST_METHOD") == "DELETE"
+                and f"attempt-{old}" in (object_key(env) or "")
+            ),
+        )
+    )
+    txn = store.transaction("ck", overwrite=True)
+    txn.write_bytes("state.bin", b"new")
+    txn.commit()
+    object_backend.faults(None)
+    assert txn.committed and store.read_bytes("ck", "state.bin") == b"new"
+    store.recover(now=FUTURE)
+    assert not any(f"attempt-{old}" in k for k in raw_keys(store))
+
+
 # -- row 9: overwrite is a compare-and-swap ------------------------------------------------
 def test_row9_of_two_overwriters_from_one_checkpoint_exactly_one_wins(backend: Backend) -> None:
     store = backend.open()

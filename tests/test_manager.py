@@ -309,3 +309,37 @@ def test_step_deleted_during_retention_is_skipped(backend):
     mgr.save(4, tree(4))  # retention lists 1..4; 2 vanishes before it is read
     assert not armed and mgr.all_steps() == [1, 3, 4]
     assert mgr.restore()["step"] == 4
+
+
+def test_overwrite_removes_only_the_newer_steps_it_saw(tmp_path):
+    """Issue 11: ``save(5)`` with overwrite removes the newer steps that were there when it
+    was called, and only those: a step 6 that another writer saved again while step 5 was
+    being written is kept. A's background write is held at its first file (through a
+    driver subclass) while B saves."""
+    gate, entered = threading.Event(), threading.Event()
+    base = atomicstore.open_store(tmp_path).driver
+
+    class Gated(type(base)):  # type: ignore[misc]
+        def open_writer(self, key, **kwargs):
+            if "checkpoint_5." in key and not entered.is_set():
+                entered.set()
+                gate.wait(30)
+            return super().open_writer(key, **kwargs)
+
+    b = atomicstore.CheckpointManager(str(tmp_path), keep=10, overwrite=True)
+    b.save(5, {"x": np.zeros(3)})
+    b.save(6, {"x": np.zeros(3)})
+    a = atomicstore.CheckpointManager(
+        str(tmp_path),
+        keep=10,
+        overwrite=True,
+        async_save=True,
+        store=atomicstore.Store(Gated(base.fs, base.root, url=base.url)),
+    )
+    a.save(5, {"x": np.ones(3)})
+    assert entered.wait(30)
+    b.save(6, {"x": np.full(3, 2.0)}, force=True)  # saved again while A writes step 5
+    gate.set()
+    a.wait_until_finished()
+    assert a.all_steps() == [5, 6], "a step saved after the overwrite began must not be removed"
+    assert b.restore(6)["x"][0] == 2.0 and a.restore(5)["x"][0] == 1.0

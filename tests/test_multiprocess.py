@@ -133,8 +133,12 @@ def test_losing_process_0_fails_the_others_and_commits_nothing(tmp_path, request
     res = run(2, "die0_in_save", "2", url, opts, tmp_path)
     assert res[0]["rc"] == 17
     other = res[1]
+    # either it raised CoordinationError, or JAX aborted it (when process 0 dies before the
+    # other finished jax.distributed.initialize, the abort comes from backend set-up, with
+    # another message): never a reported success
     assert "CoordinationError" in (other.get("error") or "") or (
-        other["rc"] != 0 and "JAX distributed service detected fatal errors" in other.get("log", "")), other
+        other["rc"] != 0 and other.get("missing")
+    ), other
     assert time.monotonic() - t0 < 120  # no hang
     assert ck.available_steps(url, step_type=float) == [1.0]
     st = atomicstore.open_store(url)

@@ -290,3 +290,55 @@ def test_every_dtype_the_library_writes_still_parses():
     with pytest.raises(atomicstore.CorruptionError, match=r"^f leaf a/1: ") as info:
         parse_dtype("O", path="p", leaf=("a", 1), where="f")
     assert info.value.path == "p" and info.value.leaf == "a/1"
+
+
+def _with_index(tmp_path, mutate):
+    """A committed checkpoint whose index.msgpack is ``mutate(valid index)``: the manifest
+    matches its bytes, so only the index parser stands between it and the caller."""
+    d = str(tmp_path / "ix")
+    st = atomicstore.open_store(d)
+    atomicstore.save(f"{d}/good", {"lst": [1, 2], "w": np.ones(2, np.float32)})
+    state = st.read_bytes("good", "state.msgpack")
+    doc = msgpack.unpackb(st.read_bytes("good", "index.msgpack"), raw=False, strict_map_key=False)
+    with st.transaction("bad") as t:
+        t.write_bytes("state.msgpack", state)
+        t.write_bytes("index.msgpack", msgpack.packb(mutate(doc), use_bin_type=True))
+    return d, st
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda doc: {**doc, "nodes": doc["nodes"] + [[1]]},  # a leaf node with no path
+        lambda doc: {**doc, "nodes": doc["nodes"] + [[1, ["x"]]]},  # a leaf node with no kind
+        lambda doc: {
+            **doc,
+            "nodes": [n for n in doc["nodes"] if not (n[0] == 0 and n[1] == [])],
+        },  # no root
+        lambda doc: {**doc, "nodes": doc["nodes"] + [doc["nodes"][-1]]},  # a leaf declared twice
+    ],
+    ids=["short-leaf", "no-kind", "orphan-container", "twice"],
+)
+def test_structurally_hostile_index_is_corruption(tmp_path, mutate):
+    d, st = _with_index(tmp_path, mutate)
+    st.verify("bad")
+    with pytest.raises(atomicstore.CorruptionError, match="index"):
+        atomicstore.restore(
+            f"{d}/bad", store=st, target={"lst": [0, 0], "w": np.zeros(2, np.float32)}
+        )
+
+
+@pytest.mark.parametrize("byte", [0x91, 0x93])  # a complex's pair as an array of 1 or of 3
+def test_a_damaged_complex_in_a_legacy_file_is_corruption(tmp_path, byte):
+    from atomicstore.compat import flax as ck
+
+    d = str(tmp_path)
+    ck.save_checkpoint(d, {"c": complex(1, 2), "x": 1}, 0)
+    st = atomicstore.open_store(d)
+    raw = bytearray(st.driver.read("checkpoint_0"))
+    raw[raw.index(bytes([0xC7, 0x13, 0x02, 0x92])) + 3] = byte
+    st.driver.put("checkpoint_1", bytes(raw))
+    with pytest.raises(atomicstore.CorruptionError, match="complex"):
+        atomicstore.restore(f"{d}/checkpoint_1")
+    with pytest.raises(atomicstore.CorruptionError):
+        ck.restore_checkpoint(d, None, step=1)

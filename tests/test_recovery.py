@@ -114,12 +114,29 @@ def test_recover_argument_validation(tmp_path):
 
 def test_stale_single_file_temporaries_are_removed(tmp_path):
     store = atomicstore.open_store(tmp_path)
-    (tmp_path / ".trainer.json.put-123-abcdef").write_bytes(b"half")
+    (tmp_path / ".trainer.json.put-123-abcdef012345").write_bytes(b"half")
     store.write_file("trainer.json", b"{}")
     assert not store.recover(grace=3600).actions  # recent: could be in flight
+    assert not store.recover(grace=0).actions  # a temporary lives for one write: never this young
     report = store.recover(now=FUTURE)
     assert [a.kind for a in report.actions] == ["temp"]
     assert sorted(os.listdir(tmp_path)) == ["trainer.json"]
+
+
+def test_files_of_a_save_that_look_like_temporaries_are_not_removed(backend):
+    """A checkpoint may hold a file whose name looks like a single-file temporary: recovery
+    must not treat it as one while the save is in flight, nor once it is committed."""
+    store = backend.open(lease_ttl=3600)
+    odd = ".tokenizer.put-2024-0123456789ab"
+    with store.transaction("done") as txn:
+        txn.write_bytes(odd, b"committed")
+    txn = store.transaction("flying")
+    txn.write_bytes(odd, b"in flight")
+    report = backend.open().recover(now=time.time() + 1000, grace=0)
+    assert not [a for a in report.actions if a.kind == "temp"], report.summary()
+    txn.commit()
+    assert store.read_bytes("flying", odd) == b"in flight"
+    assert store.read_bytes("done", odd) == b"committed"
 
 
 def test_s3_unfinished_multipart_uploads_are_aborted(s3_server):
@@ -225,3 +242,16 @@ def test_flax_layout_leftovers(backend):
     assert not store.recover(flax_prefix="checkpoint_", now=FUTURE).actions
     with pytest.raises(atomicstore.InvalidArgumentError):
         store.recover(flax_prefix="a/b")
+
+
+def test_a_hostile_lease_is_data(backend):
+    """A lease object is read from storage: nesting deep enough to exhaust the JSON
+    parser's recursion, garbage, or a huge document must not break recovery or a
+    manager opening the directory (it is treated as expired)."""
+    store = backend.open()
+    for i, junk in enumerate([b"[" * 3000, b"\xff\xfe", b'{"ttl": ' + b"9" * 5000 + b"}"]):
+        store.driver.put(f".atomicstore/leases/x{i}.20260101T000000-0123456789ab.json", junk)
+    store.recover()
+    atomicstore.CheckpointManager(backend.url, storage_options=backend.options).close()
+    report = store.recover(now=FUTURE)
+    assert sorted(a.kind for a in report.actions) == ["lease"] * 3, report.summary()

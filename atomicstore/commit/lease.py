@@ -44,9 +44,9 @@ def parse_lease_key(key: str) -> tuple[str, str] | None:
 def read_lease_ttl(driver: Driver, key: str) -> float:
     """The TTL recorded in a lease object (hostile input: validated)."""
     try:
-        doc = json.loads(driver.read(key)[:4096].decode())
+        doc = json.loads(driver.read(key, 0, 4096).decode())
         ttl = float(doc["ttl"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptionError(f"{driver.describe(key)}: malformed lease ({exc})", path=key) from None
     if not 0 < ttl < 7 * 86400:
         raise CorruptionError(f"{driver.describe(key)}: lease ttl {ttl} out of range", path=key)

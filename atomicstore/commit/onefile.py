@@ -119,11 +119,18 @@ class OneFileCommit:
             else:
                 self._lease.check()
                 self._w.close()  # the upload completes, if the precondition holds
+        except LeaseLostError:  # (a CommitConflictError: caught first)
+            self._cleanup()
+            raise
         except AlreadyExistsError:
             self._cleanup()
             raise self._conflict() from None
-        except LeaseLostError:
-            self._cleanup()
+        except NotFoundError:
+            if self.staged:  # the staged file vanished: recovery claimed it, fencing our lease
+                try:
+                    self._lease.check()  # LeaseLostError, the real reason
+                finally:
+                    self._cleanup()
             raise
         except BaseException:
             if self.staged:

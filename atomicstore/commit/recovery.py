@@ -40,7 +40,11 @@ log = logging.getLogger("atomicstore.recovery")
 #: Default grace period (seconds) before unleased, unreferenced data counts as stale.
 DEFAULT_GRACE = 120.0
 
-_PUT_TMP = re.compile(r"(^|/)\.[^/]+\.put-\d+-[0-9a-f]+$")
+_PUT_TMP = re.compile(r"(^|/)\.[^/]+\.put-\d+-[0-9a-f]{12}$")
+#: a temporary file of a single-file write lives for one write: one older than this (and
+#: than ``grace``) is stale whatever ``grace`` says (``recover(grace=0)`` must not remove
+#: the temporary of a write in progress)
+TEMP_MIN_AGE = 60.0
 
 
 @dataclass(frozen=True)
@@ -250,8 +254,9 @@ class _Recovery:
             a.newest = max(a.newest, mtime if mtime is not None else now)
 
         for key, info in listing.items():
-            if _PUT_TMP.search(key):
-                temps.append((key, info.mtime or now))
+            if _PUT_TMP.search(key) and not key.startswith((STAGING + "/", TRASH + "/")) and (
+                    f"/{ATTEMPT_PREFIX}" not in key):
+                temps.append((key, info.mtime or now))  # (never a file staged by a save)
             elif key.startswith(RESERVED_DIR + "/"):
                 lk = parse_lease_key(key)
                 if lk is not None:
@@ -324,8 +329,8 @@ class _Recovery:
 
         for key, mtime in temps:
             # only our own temporaries of single-file writes, never inside a checkpoint
-            if mtime + grace < now and key.split("/", 1)[0] not in committed:
-                self.act("temp", key, f"temporary file older than {grace:.0f}s")
+            if mtime + max(grace, TEMP_MIN_AGE) < now and key.split("/", 1)[0] not in committed:
+                self.act("temp", key, f"temporary file older than {max(grace, TEMP_MIN_AGE):.0f}s")
 
         if d.capabilities.multipart_uploads:
             self.uploads(leases)

@@ -20,12 +20,14 @@ import posixpath
 import secrets
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from ..drivers.base import Driver
 from ..errors import (
     AlreadyExistsError,
     CommitConflictError,
     CorruptionError,
+    LeaseLostError,
     NotFoundError,
     PreconditionFailedError,
     StorageError,
@@ -72,13 +74,15 @@ class CommitStrategy(ABC):
     @abstractmethod
     def publish(
         self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
-        expected: str | None = None,
+        expected: str | None = None, check: Callable[[], None] | None = None,
     ) -> None:
         """Write the manifest and make the attempt the committed ``name`` (the commit
         point). Raises :class:`CommitConflictError` if another attempt won. With
         ``overwrite``, the checkpoint of generation ``expected`` (None: no checkpoint) is
         replaced in the same atomic step, and its data removed afterwards; if ``name`` is
-        at another generation by then, :class:`CommitConflictError`."""
+        at another generation by then, :class:`CommitConflictError`. ``check`` (the
+        writer's lease check) runs after everything is written and made durable, right
+        before the commit point: nothing this attempt writes comes after it."""
 
     @abstractmethod
     def attempt_prefix(self, name: str, attempt: str) -> str:
@@ -102,6 +106,15 @@ class CommitStrategy(ABC):
         """Delete ``name``: remove the commit point first, then the data. Only the
         generation read when the delete starts (or ``if_generation``) is removed: a newer
         checkpoint of the same name is never deleted (:class:`PreconditionFailedError`)."""
+
+    def _cleanup(self, prefix: str) -> None:
+        """Remove a replaced checkpoint's data after a commit: a failure here must not
+        make a commit that happened look failed (recovery removes what is left)."""
+        try:
+            self.driver.delete_tree(prefix)
+        except Exception as exc:  # noqa: BLE001 - logged; recovery removes it
+            log.warning("committed, but could not remove the replaced data %s: %s",
+                        self.driver.describe(prefix), exc)
 
     def _conflict(self, name: str, winner: str | None = None) -> CommitConflictError:
         return CommitConflictError(
@@ -171,7 +184,7 @@ class RenameStrategy(CommitStrategy):
 
     def publish(
         self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
-        expected: str | None = None,
+        expected: str | None = None, check: Callable[[], None] | None = None,
     ) -> None:
         d = self.driver
         staging = self._staging(name, attempt)
@@ -190,9 +203,13 @@ class RenameStrategy(CommitStrategy):
                 d.fsync_dir(staging)
             replaced = False
             if not overwrite:
-                d.rename(staging, name)  # the commit point
+                if check:
+                    check()
+                d.rename(staging, name)  # the commit point (fails if recovery claimed staging)
             else:
                 with d.lock():  # nobody else deletes or overwrites in between
+                    if check:
+                        check()
                     found = self.current(name)
                     if found != expected:
                         raise AlreadyExistsError(f"{name}: generation {found}, expected {expected}")
@@ -201,9 +218,18 @@ class RenameStrategy(CommitStrategy):
                     else:
                         d.exchange(staging, name)  # the commit point of an overwrite
                         replaced = True
+        except LeaseLostError:
+            self.discard(name, attempt)
+            raise
         except AlreadyExistsError:
             self.discard(name, attempt)
             raise self._conflict(name) from None
+        except NotFoundError:
+            # the staging directory vanished: recovery claimed it, having fenced our lease
+            self.discard(name, attempt)
+            if check:
+                check()  # LeaseLostError, the real reason
+            raise
         except BaseException:
             self.discard(name, attempt)
             raise
@@ -213,8 +239,8 @@ class RenameStrategy(CommitStrategy):
             # durable, so its removal needs no fsync: the POSIX model in tests/crashsim.py
             # shows that an fsync of the staging parent here changes no crash state.)
             d.fsync_dir("")
-        if replaced:
-            d.delete_tree(staging)  # the replaced checkpoint now sits at the staging name
+        if replaced:  # the replaced checkpoint now sits at the staging name
+            self._cleanup(staging)
 
     def discard(self, name: str, attempt: str) -> None:
         try:
@@ -310,7 +336,7 @@ class MarkerStrategy(CommitStrategy):
 
     def publish(
         self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
-        expected: str | None = None,
+        expected: str | None = None, check: Callable[[], None] | None = None,
     ) -> None:
         d = self.driver
         old: Marker | None = None
@@ -321,6 +347,12 @@ class MarkerStrategy(CommitStrategy):
                 self.discard(name, attempt)
                 raise self._conflict(name, old.writer if old else None)
         self._put_manifest(name, attempt, manifest)
+        if check:
+            try:
+                check()
+            except BaseException:
+                self.discard(name, attempt)
+                raise
         marker = Marker.new(name, attempt, writer, manifest)
         key = f"{name}/{MARKER_FILE}"
         try:  # the commit point
@@ -346,22 +378,30 @@ class MarkerStrategy(CommitStrategy):
             if not committed:
                 raise
         else:
-            if gen is None:
-                self._check_not_resurrected(name, attempt, written)
+            self._check_data_still_there(name, attempt, written, old, check)
         if old is not None and old.attempt != attempt:
-            d.delete_tree(self._prefix(name, old.attempt))  # the replaced checkpoint's data
+            self._cleanup(self._prefix(name, old.attempt))  # the replaced checkpoint's data
 
-    def _check_not_resurrected(self, name: str, attempt: str, written: str | None) -> None:
-        """After a create of the marker succeeded: if our first try had landed, its reply
-        been lost, and another process deleted the checkpoint before a retry (ours, or
-        one an HTTP client made unseen) created the marker again, that marker names data
-        that is gone. Detect it (the manifest is missing) and take the marker back."""
+    def _check_data_still_there(self, name: str, attempt: str, written: str | None,
+                                old: Marker | None, check: Callable[[], None] | None) -> None:
+        """After the marker PUT succeeded, the attempt's manifest must still exist. It is
+        gone if this writer was paused past its lease between its check and the PUT and
+        recovery removed its data, or if a first try of a create had landed (reply lost),
+        another process deleted the checkpoint, and a retry created the marker again.
+        Then the marker is taken back (the replaced one put back for an overwrite),
+        conditionally on the generation this PUT wrote, and the commit fails."""
         if self.driver.exists(f"{self._prefix(name, attempt)}/{MANIFEST_FILE}"):
             return
+        key = f"{name}/{MARKER_FILE}"
         try:
-            self.driver.delete(f"{name}/{MARKER_FILE}", if_generation=written)
+            if old is not None:
+                self.driver.put(key, old.to_bytes(), if_generation=written)
+            else:
+                self.driver.delete(key, if_generation=written)
         except PreconditionFailedError:
-            pass  # replaced meanwhile: not ours to remove
+            pass  # replaced meanwhile: not ours to touch
+        if check:
+            check()  # LeaseLostError when this writer had been declared dead
         raise CommitConflictError(
             f"checkpoint {self.driver.describe(name)} was deleted by another process right "
             "after this writer committed it (its commit reply was lost)", name=name)

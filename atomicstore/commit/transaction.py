@@ -198,11 +198,12 @@ class Transaction:
             )
             data = manifest.to_bytes()
             try:
-                self._lease.check()  # a writer declared dead must not commit
-                # publish cleans up after itself where that is provably safe
+                # publish cleans up after itself where that is provably safe; it checks
+                # the lease (a writer declared dead must not commit) after writing the
+                # manifest, right before the commit point
                 self.store.strategy.publish(
                     self.name, self.attempt, self.store.writer_id, data, overwrite=self.overwrite,
-                    expected=self.expected,
+                    expected=self.expected, check=self._lease.check,
                 )
             except CommitConflictError:
                 self._state = _State.ABORTED

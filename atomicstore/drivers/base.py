@@ -642,17 +642,23 @@ class BufferedPartWriter(Writer):
                 self.driver.put(
                     self.key, data, exclusive=self.exclusive, if_generation=self.if_generation
                 )
-            except AlreadyExistsError:
+            except (AlreadyExistsError, StorageError):
                 # A retried put whose first try landed answers 412, and the retry may be
-                # invisible (aiohttp re-sends a PUT on a dropped keep-alive connection):
-                # ours if the bytes match.
-                if self.driver.read(self.key) != data:
+                # invisible (aiohttp re-sends a PUT on a dropped keep-alive connection);
+                # or the retries ran out with the outcome unknown: ours if the bytes match.
+                if not self._bytes_landed(data):
                     raise
             self.buf = bytearray()
         else:
             self._flush_part(final=True)
             self._complete()
         self.closed = True
+
+    def _bytes_landed(self, data: bytes) -> bool:
+        try:
+            return self.driver.read(self.key) == data
+        except (NotFoundError, StorageError):
+            return False
 
     def abort(self) -> None:
         if self.closed:

@@ -306,7 +306,7 @@ class LocalDriver(Driver):
         try:
             w.write(data)
             w.close()
-            gen = _generation(os.stat(tmp))  # the inode keeps it through link/rename
+            gen = _generation(self._os("put", key, os.stat, tmp))  # kept through link/rename
             if exclusive:
                 self._os("put", key, os.link, tmp, path)
                 os.unlink(tmp)

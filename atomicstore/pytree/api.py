@@ -471,9 +471,27 @@ def parse_index(raw: bytes, state_size: int, where: str) -> Index:
             idx.order.append((1, p))
         except CorruptionError:
             raise
-        except (TypeError, ValueError) as exc:
-            raise CorruptionError(f"{where}: malformed index node ({exc})", path=INDEX_FILE) from None
+        except (TypeError, ValueError, IndexError, KeyError) as exc:
+            raise CorruptionError(f"{where}: malformed index node ({exc!r})", path=INDEX_FILE) from None
+    _check_structure(idx, where)
     return idx
+
+
+def _check_structure(idx: Index, where: str) -> None:
+    """Every node but the root hangs from a declared dict/list/tuple (list and tuple
+    children by integer position), and no path is declared twice."""
+    seen: set[Path] = set()
+    for _, p in idx.order:
+        if p in seen:
+            raise CorruptionError(f"{where}: {path_str(p)!r} is declared twice", path=INDEX_FILE,
+                                  leaf=path_str(p))
+        seen.add(p)
+        if not p:
+            continue
+        parent = idx.containers.get(p[:-1])
+        if parent in (None, "none") or (parent in ("list", "tuple") and type(p[-1]) is not int):
+            raise CorruptionError(f"{where}: {path_str(p)!r} has no container to hang from",
+                                  path=INDEX_FILE, leaf=path_str(p))
 
 
 def index_of_msgpack(read: Callable[[int, int], bytes], size: int, where: str) -> Index:
@@ -542,10 +560,15 @@ def index_of_msgpack(read: Callable[[int, int], bytes], size: int, where: str) -
             if v.code in (EXT_NDARRAY, EXT_NPSCALAR):
                 idx.leaves[p] = ndarray_leaf(p, v.payload, "nd" if v.code == EXT_NDARRAY else "sc")
             elif v.code == EXT_COMPLEX:
-                pair = msgpack.unpackb(read(v.payload.start, v.payload.end))
-                if not (isinstance(pair, list) and len(pair) == 2):
-                    raise CorruptionError(f"{where} leaf {path_str(p)}: malformed complex", path=where)
-                idx.leaves[p] = Leaf(p, "lit", None, (), [], complex(pair[0], pair[1]))
+                try:
+                    pair = msgpack.unpackb(read(v.payload.start, v.payload.end))
+                    if not (isinstance(pair, list) and len(pair) == 2):
+                        raise ValueError("not a pair")
+                    value = complex(pair[0], pair[1])
+                except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+                    raise CorruptionError(f"{where} leaf {path_str(p)}: malformed complex ({exc})", path=where,
+                                          leaf=path_str(p)) from None
+                idx.leaves[p] = Leaf(p, "lit", None, (), [], value)
             else:
                 raise CorruptionError(f"{where} leaf {path_str(p)}: unknown ext type {v.code}", path=where)
             idx.order.append((1, p))
