@@ -287,9 +287,10 @@ def test_row6_recovery_leaves_a_committed_gda_alone_while_its_main_file_is_in_fl
     assert store.exists("checkpoint_8_gda"), after.summary()
 
 
+@pytest.mark.parametrize("lost", [False, True], ids=["reply", "lost-reply"])
 @pytest.mark.parametrize("overwrite", [False, True], ids=["create", "overwrite"])
 def test_row4_a_commit_landing_after_recovery_removed_its_data_is_taken_back(
-    object_backend: Backend, overwrite: bool
+    object_backend: Backend, overwrite: bool, lost: bool
 ) -> None:
     """The writer passed its lease check, then its marker PUT was held in flight (a paused
     VM, a slow network) while the restarted job recovered and removed its data. When the
@@ -300,7 +301,8 @@ def test_row4_a_commit_landing_after_recovery_removed_its_data_is_taken_back(
     if overwrite:
         save(store, "ck", b"previous good checkpoint")
     marker_put = Once(writes_object(f"ck/{MARKER}"))
-    object_backend.faults(FaultPlan(stalls=[(marker_put, 2.0)]))
+    object_backend.faults(FaultPlan(stalls=[(marker_put, 2.0)], lost_reply_rate=1.0 if lost else 0.0,
+                                    budget=1, applies_to=writes_object(f"ck/{MARKER}")))
     txn = store.transaction("ck", overwrite=overwrite)
     txn.write_bytes("state.bin", b"zombie")
     t, result = in_thread(txn.commit)
@@ -343,6 +345,51 @@ def test_a_committed_overwrite_is_reported_committed_when_cleanup_fails(
     assert txn.committed and store.read_bytes("ck", "state.bin") == b"new"
     store.recover(now=FUTURE)
     assert not any(f"attempt-{old}" in k for k in raw_keys(store))
+
+
+def test_recovery_rolls_a_dangling_overwrite_marker_back(object_backend: Backend) -> None:
+    """An overwriter declared dead whose marker PUT landed after recovery removed its data,
+    and which died before taking it back, leaves a marker naming nothing. The marker
+    records the one it replaced: recovery puts that back (its data was never removed)."""
+    from atomicstore.commit.manifest import Marker
+
+    store = object_backend.open()
+    save(store, "ck", b"previous good checkpoint")
+    base = store.strategy.read_marker("ck")  # type: ignore[attr-defined]
+    dangling = Marker.new("ck", "20260101T000000-0123456789ab", "zombie", b"{}", replaces=base)
+    store.driver.put(f"ck/{MARKER}", dangling.to_bytes())
+    assert verifies(store, "ck") != ""
+    report = store.recover(now=FUTURE)
+    assert [a.kind for a in report.actions] == ["marker"], report.summary()
+    assert verifies(store, "ck") == "" and store.read_bytes("ck", "state.bin") == b"previous good checkpoint"
+    assert not store.recover(now=FUTURE).actions
+
+
+def test_an_overwrite_and_its_lease_heartbeat_never_deadlock_on_the_store_lock(
+    tmp_path: Any,
+) -> None:
+    """Local disk: while another holder keeps the store lock, an overwrite waits for it and
+    its lease heartbeat (which renews under the same lock) fires: neither may wait for the
+    other (the lease check is made before the store lock is taken)."""
+    for i in range(3):
+        store = atomicstore.open_store(tmp_path / "s", lease_ttl=0.6)
+        save(store, "ck", b"old %d" % i, overwrite=i > 0)
+        txn = store.transaction("ck", overwrite=True)
+        txn.write_bytes("state.bin", b"new %d" % i)
+        held = threading.Event()
+
+        def hold() -> None:
+            with atomicstore.open_store(tmp_path / "s").driver.lock():
+                held.set()
+                time.sleep(0.5)  # a heartbeat (every 0.2 s) comes due meanwhile
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(5)
+        t, result = in_thread(txn.commit)
+        t.join(15)
+        holder.join()
+        assert result == ["committed"], f"round {i}: {result or 'still waiting after 15 s'}"
 
 
 # -- row 9: overwrite is a compare-and-swap ------------------------------------------------

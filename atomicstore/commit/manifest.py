@@ -7,6 +7,7 @@ hostile: sizes are bounded, every field's type is checked, every path re-validat
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import glob
 import hashlib
 import json
@@ -241,40 +242,57 @@ class Marker:
     writer: str
     manifest_sha256: str
     committed: float
+    #: for an overwrite, the marker this one replaced (so that a commit whose data
+    #: vanished can be rolled back to it by its writer or by recovery)
+    replaces: Marker | None = None
+
+    def _doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "format": MARKER_FORMAT,
+            "name": self.name,
+            "attempt": self.attempt,
+            "writer": self.writer,
+            "manifest_sha256": self.manifest_sha256,
+            "committed": self.committed,
+        }
+        if self.replaces is not None:
+            doc["replaces"] = {k: v for k, v in self.replaces._doc().items() if k != "replaces"}
+        return doc
 
     def to_bytes(self) -> bytes:
-        return json.dumps(
-            {
-                "format": MARKER_FORMAT,
-                "name": self.name,
-                "attempt": self.attempt,
-                "writer": self.writer,
-                "manifest_sha256": self.manifest_sha256,
-                "committed": self.committed,
-            },
-            sort_keys=True,
-        ).encode()
+        return json.dumps(self._doc(), sort_keys=True).encode()
 
     @classmethod
-    def new(cls, name: str, attempt: str, writer: str, manifest: bytes) -> Marker:
-        return cls(name, attempt, writer, sha256(manifest), time.time())
+    def new(cls, name: str, attempt: str, writer: str, manifest: bytes,
+            replaces: Marker | None = None) -> Marker:
+        if replaces is not None:
+            replaces = dataclasses.replace(replaces, replaces=None)  # one level only
+        return cls(name, attempt, writer, sha256(manifest), time.time(), replaces)
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Marker:
         doc = _load_json(data, where=where, limit=MAX_MARKER_BYTES, fmt=MARKER_FORMAT)
         try:
-            digest = _str(doc["manifest_sha256"])
-            if len(digest) != 64:
-                raise ValueError("bad manifest_sha256")
-            return cls(
-                validate_name(doc["name"]),
-                validate_attempt(doc["attempt"]),
-                _str(doc["writer"]),
-                digest,
-                float(doc["committed"]),
-            )
+            prev = doc.get("replaces")
+            if prev is not None and not isinstance(prev, dict):
+                raise TypeError("replaces is not an object")
+            return cls._from_doc(doc, None if prev is None else cls._from_doc(prev, None))
         except (KeyError, TypeError, ValueError, InvalidArgumentError) as exc:
             raise CorruptionError(f"{where}: malformed commit marker ({exc})", path=where) from exc
+
+    @classmethod
+    def _from_doc(cls, doc: dict[str, Any], replaces: Marker | None) -> Marker:
+        digest = _str(doc["manifest_sha256"])
+        if len(digest) != 64:
+            raise ValueError("bad manifest_sha256")
+        return cls(
+            validate_name(doc["name"]),
+            validate_attempt(doc["attempt"]),
+            _str(doc["writer"]),
+            digest,
+            float(doc["committed"]),
+            replaces,
+        )
 
 
 def sha256(data: bytes) -> str:

@@ -21,6 +21,7 @@ Every removal is idempotent, so several processes may recover the same store at 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import re
 from collections import defaultdict
@@ -214,25 +215,52 @@ class _Recovery:
         if self.dry_run or self.fence(name, attempt, gen):
             self.report.actions.append(RecoveryAction("lease", lease_key(name, attempt), why))
 
-    def dangling_marker(self, name: str, attempt: str, mtime: float | None) -> None:
-        """A marker whose attempt has no data (a commit that was deleted while its reply
-        was lost, then re-created by a retry, and its writer died before taking it back):
-        it can never be opened. Removed once older than ``grace`` if, read afresh, it
-        still names that attempt and the attempt's manifest is still missing."""
+    def read_markers(self, names: set[str]) -> dict[str, str | None]:
+        """The attempt each marker names (None: unreadable right now, so nothing of that
+        name is touched); names whose marker vanished since the listing are left out."""
+        strategy = self.store.strategy
+
+        def one(name: str) -> tuple[str, str | None, bool]:
+            try:
+                cur = strategy.current(name)
+            except Exception:  # noqa: BLE001 - conservative: touch nothing of it
+                return name, None, True
+            return name, cur, cur is not None
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(16, len(names)))) as pool:
+            return {n: cur for n, cur, keep in pool.map(one, sorted(names)) if keep}
+
+    def dangling_marker(self, name: str, attempt: str, mtime: float | None) -> str | None:
+        """A marker whose attempt has no data can never be opened: a commit deleted while
+        its reply was lost and re-created by a retry, or a writer declared dead whose PUT
+        landed late, each dying before it took its marker back. Once older than ``grace``,
+        if read afresh it still names that attempt and the attempt's manifest is still
+        missing, it is rolled back to the marker it replaced (an overwrite records it)
+        when that checkpoint's manifest is intact, else removed; both conditional on the
+        generation read. Returns the attempt the name holds afterwards."""
         if (mtime if mtime is not None else self.now) + self.grace > self.now:
-            return
+            return attempt
         strategy = self.store.strategy
         assert isinstance(strategy, MarkerStrategy)
-        _marker, gen, found = strategy.marker_state(name)
-        if found != attempt or self.d.exists(f"{strategy.attempt_prefix(name, attempt)}/{MANIFEST_FILE}"):
-            return
-        self.report.actions.append(RecoveryAction("marker", f"{name}/{MARKER_FILE}",
-                                                  f"names attempt {attempt}, whose data is gone"))
+        marker, gen, found = strategy.marker_state(name)
+        if found != attempt or marker is None or self.d.exists(
+                f"{strategy.attempt_prefix(name, attempt)}/{MANIFEST_FILE}"):
+            return found
+        old = marker.replaces
+        rollback = old is not None and strategy.intact(name, old)
+        key = f"{name}/{MARKER_FILE}"
+        why = f"names attempt {attempt}, whose data is gone"
         if not self.dry_run:
             try:
-                self.d.delete(f"{name}/{MARKER_FILE}", if_generation=gen)
+                if old is not None and rollback:
+                    self.d.put(key, old.to_bytes(), if_generation=gen)
+                else:
+                    self.d.delete(key, if_generation=gen)
             except PreconditionFailedError:
-                self.report.actions.pop()
+                return strategy.current(name)  # changed meanwhile: leave it to the next pass
+        self.report.actions.append(RecoveryAction(
+            "marker", key, f"{why}: rolled back to {old.attempt}" if old and rollback else why))
+        return old.attempt if old is not None and rollback else None
 
     def live_lease_of(self, names: set[str], leases: dict[tuple[str, str], str]) -> bool:
         """True if any lease of these names (as listed) is alive now."""
@@ -286,22 +314,15 @@ class _Recovery:
         committed = markers if self.marker_mode else set(self.store.strategy.list())
         self.report.committed = sorted(committed)
 
-        # Which attempt each marker names: a guess from the listing where a name has one
-        # attempt, else a read. Only used to skip committed attempts early; every removal
-        # re-reads the marker itself.
-        named: dict[str, str | None] = {}
-        if self.marker_mode:
-            per_name: dict[str, list[str]] = defaultdict(list)
-            for (name, attempt) in attempts:
-                per_name[name].append(attempt)
-            for name in markers:
-                if len(per_name.get(name, [])) == 1:
-                    named[name] = per_name[name][0]
-                else:
-                    try:
-                        named[name] = self.store.strategy.current(name)
-                    except Exception:  # noqa: BLE001 - conservative: touch nothing of it
-                        named[name] = None
+        # Which attempt each marker names (read, concurrently: a marker may name an attempt
+        # the listing does not show). Used to skip committed attempts early and to repair
+        # markers whose data is gone; every removal re-reads the marker itself.
+        named: dict[str, str | None] = self.read_markers(markers) if self.marker_mode else {}
+        for name in sorted(named):
+            att = named[name]
+            if att and not att.startswith("unreadable:") and (name, att) not in attempts:
+                mtime = listing[f"{name}/{MARKER_FILE}"].mtime
+                named[name] = self.dangling_marker(name, att, mtime)
 
         for ident, a in sorted(attempts.items()):
             name, attempt = ident
@@ -311,11 +332,6 @@ class _Recovery:
                     self.stray_lease(name, attempt, "expired lease of a committed attempt")
                 continue
             self.attempt(a)
-
-        for name in sorted(markers):
-            att = named.get(name)
-            if att and not att.startswith("unreadable:") and (name, att) not in attempts:
-                self.dangling_marker(name, att, listing[f"{name}/{MARKER_FILE}"].mtime)
 
         for (name, attempt) in sorted(leases):
             if (name, attempt) not in attempts:

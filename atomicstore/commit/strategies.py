@@ -207,9 +207,9 @@ class RenameStrategy(CommitStrategy):
                     check()
                 d.rename(staging, name)  # the commit point (fails if recovery claimed staging)
             else:
+                if check:  # (outside the store lock: a lease renewal takes it on POSIX)
+                    check()
                 with d.lock():  # nobody else deletes or overwrites in between
-                    if check:
-                        check()
                     found = self.current(name)
                     if found != expected:
                         raise AlreadyExistsError(f"{name}: generation {found}, expected {expected}")
@@ -334,6 +334,14 @@ class MarkerStrategy(CommitStrategy):
     def current(self, name: str) -> str | None:
         return self.marker_state(name)[2]
 
+    def intact(self, name: str, marker: Marker) -> bool:
+        """True if the manifest ``marker`` names exists and has its digest."""
+        try:
+            raw = self.driver.read(f"{self._prefix(name, marker.attempt)}/{MANIFEST_FILE}")
+        except NotFoundError:
+            return False
+        return sha256(raw) == marker.manifest_sha256
+
     def publish(
         self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
         expected: str | None = None, check: Callable[[], None] | None = None,
@@ -353,34 +361,38 @@ class MarkerStrategy(CommitStrategy):
             except BaseException:
                 self.discard(name, attempt)
                 raise
-        marker = Marker.new(name, attempt, writer, manifest)
-        key = f"{name}/{MARKER_FILE}"
+        marker = Marker.new(name, attempt, writer, manifest, replaces=old)
         try:  # the commit point
-            written = d.put(key, marker.to_bytes(), exclusive=gen is None, if_generation=gen)
+            written = d.put(f"{name}/{MARKER_FILE}", marker.to_bytes(), exclusive=gen is None,
+                            if_generation=gen)
         except AlreadyExistsError:
             # Either another writer won, or our own write was applied and only the reply
             # was lost (the retry was then refused): read it back to know which.
-            current = self._marker_or_none(name)
-            if current is not None and current.attempt == attempt:
-                log.info("commit of %s: reply lost, marker is ours", d.describe(name))
-            else:
+            ours, written, current = self._ours(name, attempt)
+            if not ours:
                 self.discard(name, attempt)
                 raise self._conflict(name, current.writer if current else None) from None
+            log.info("commit of %s: reply lost, marker is ours", d.describe(name))
         except Exception:
             # The marker write may or may not have been applied (a timeout, a lost reply
             # then no more retries): if it is ours, we committed; otherwise the attempt's
             # data is left for recovery, because a late write of our marker could still
             # land and must never point at deleted data.
             try:
-                committed = self.read_marker(name).attempt == attempt
+                ours, written, _ = self._ours(name, attempt)
             except Exception:  # noqa: BLE001 - the original error is the one to report
-                committed = False
-            if not committed:
+                ours = False
+            if not ours:
                 raise
-        else:
-            self._check_data_still_there(name, attempt, written, old, check)
+        self._check_data_still_there(name, attempt, written, old, check)
         if old is not None and old.attempt != attempt:
             self._cleanup(self._prefix(name, old.attempt))  # the replaced checkpoint's data
+
+    def _ours(self, name: str, attempt: str) -> tuple[bool, str | None, Marker | None]:
+        """(whether the marker of ``name`` names ``attempt``, its generation, the marker),
+        read afresh."""
+        marker, gen, found = self.marker_state(name)
+        return found == attempt, gen, marker
 
     def _check_data_still_there(self, name: str, attempt: str, written: str | None,
                                 old: Marker | None, check: Callable[[], None] | None) -> None:
