@@ -72,6 +72,12 @@ class StorageError(AtomicStoreError, OSError):
     """A storage operation failed (after the retry policy gave up, if it was transient)."""
 
 
+class CommitOutcomeUnknownError(StorageError):
+    """A commit whose reply was lost could not be confirmed: before it was read back, the
+    checkpoint was deleted by another process. This writer may have committed (and been
+    deleted) or lost; either way the name does not hold its data now."""
+
+
 class StorageTimeoutError(StorageError, TimeoutError):
     """A storage operation did not finish within its timeout."""
 
@@ -98,6 +104,7 @@ __all__ = [
     "AtomicStoreError",
     "ChecksumMismatchError",
     "CommitConflictError",
+    "CommitOutcomeUnknownError",
     "CorruptionError",
     "InvalidArgumentError",
     "LeaseLostError",

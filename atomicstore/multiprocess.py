@@ -155,7 +155,9 @@ def _write_shards(st: Store, prefix: str, shards: list[dict], threads: int = 8) 
         return {"file": o["file"], "array": o["array"], "start": o["start"], "shape": list(data.shape),
                 "size": mv.nbytes, "crc32c": crc32c(mv)}
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(shards)))) as pool:
+    if len(shards) <= 1 or threads <= 1:  # no pool for one shard: it is written right here
+        return [one(o) for o in shards]
+    with concurrent.futures.ThreadPoolExecutor(min(threads, len(shards))) as pool:
         return list(pool.map(one, shards))
 
 

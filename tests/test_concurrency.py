@@ -378,7 +378,7 @@ def test_an_overwrite_and_its_lease_heartbeat_never_deadlock_on_the_store_lock(
         txn.write_bytes("state.bin", b"new %d" % i)
         held = threading.Event()
 
-        def hold() -> None:
+        def hold(held: threading.Event = held) -> None:
             with atomicstore.open_store(tmp_path / "s").driver.lock():
                 held.set()
                 time.sleep(0.5)  # a heartbeat (every 0.2 s) comes due meanwhile

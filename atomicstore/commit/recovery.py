@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import CorruptionError, NotFoundError, PreconditionFailedError
-from .lease import lease_key, parse_lease_key, read_lease_ttl
+from .lease import LEASES, lease_key, parse_lease_key, read_lease_ttl
 from .names import MANIFEST_FILE, MARKER_FILE, RESERVED_DIR
 from .strategies import ATTEMPT_PREFIX, STAGING, TRASH, MarkerStrategy, RenameStrategy
 
@@ -262,9 +262,11 @@ class _Recovery:
             "marker", key, f"{why}: rolled back to {old.attempt}" if old and rollback else why))
         return old.attempt if old is not None and rollback else None
 
-    def live_lease_of(self, names: set[str], leases: dict[tuple[str, str], str]) -> bool:
-        """True if any lease of these names (as listed) is alive now."""
-        return any(self.lease_state(n, att)[0] == "alive" for (n, att) in leases if n in names)
+    def live_lease_of(self, names: set[str]) -> bool:
+        """True if any lease of these names is alive now (leases listed and read afresh:
+        a save may have started since the pass's listing)."""
+        fresh = (parse_lease_key(k) for k in self.d.find(LEASES))
+        return any(self.lease_state(*lk)[0] == "alive" for lk in fresh if lk and lk[0] in names)
 
     # -- the pass -----------------------------------------------------------------------
     def run(self, flax_prefix: str | None) -> RecoveryReport:
@@ -341,7 +343,7 @@ class _Recovery:
             self.act("trash", prefix, "interrupted delete", len(keys), tree=True)
 
         if flax_prefix is not None:
-            self.flax(listing, leases, flax_prefix)
+            self.flax(listing, flax_prefix)
 
         for key, mtime in temps:
             # only our own temporaries of single-file writes, never inside a checkpoint
@@ -349,13 +351,13 @@ class _Recovery:
                 self.act("temp", key, f"temporary file older than {max(grace, TEMP_MIN_AGE):.0f}s")
 
         if d.capabilities.multipart_uploads:
-            self.uploads(leases)
+            self.uploads()
 
         if self.report.actions:
             log.info("%s", self.report.summary())
         return self.report
 
-    def uploads(self, leases: dict[tuple[str, str], str]) -> None:
+    def uploads(self) -> None:
         """Abort unfinished multipart uploads whose save is dead: the attempt's lease (or,
         for a one-file upload to ``<name>``, every lease of that name) is not alive now,
         and the upload is older than ``grace``."""
@@ -367,13 +369,13 @@ class _Recovery:
                 attempt = rest[len(ATTEMPT_PREFIX) :].split("/", 1)[0]
                 if self.lease_state(name, attempt)[0] == "alive":
                     continue
-            elif self.live_lease_of({key}, leases):
+            elif self.live_lease_of({key}):
                 continue  # a one-file save in flight
             self.report.actions.append(RecoveryAction("upload", f"{key} ({upload_id})", "unfinished multipart upload"))
             if not self.dry_run:
                 self.d.abort_upload(key, upload_id)
 
-    def flax(self, listing: dict, leases: dict[tuple[str, str], str], prefix: str) -> None:
+    def flax(self, listing: dict, prefix: str) -> None:
         """flax's own leftovers: ``<prefix>tmp``/``<prefix>tmp_gda`` staging, and
         ``<prefix><step>_gda`` whose main file does not exist, re-checked afresh (main
         file absent, no live lease of the step or its ``_gda``) right before removal."""
@@ -385,7 +387,7 @@ class _Recovery:
             staging = top[len(prefix):].startswith("tmp")
             main = top[: -len("_gda")]
             if newest + self.grace > self.now or (
-                not staging and (self.live_lease_of({main, top}, leases) or d.exists(main))
+                not staging and (self.live_lease_of({main, top}) or d.exists(main))
             ):
                 self.report.in_flight.append(top)
                 continue

@@ -26,6 +26,7 @@ from ..drivers.base import Driver
 from ..errors import (
     AlreadyExistsError,
     CommitConflictError,
+    CommitOutcomeUnknownError,
     CorruptionError,
     LeaseLostError,
     NotFoundError,
@@ -362,48 +363,79 @@ class MarkerStrategy(CommitStrategy):
                 self.discard(name, attempt)
                 raise
         marker = Marker.new(name, attempt, writer, manifest, replaces=old)
+        outcome = "ours"
         try:  # the commit point
             written = d.put(f"{name}/{MARKER_FILE}", marker.to_bytes(), exclusive=gen is None,
                             if_generation=gen)
         except AlreadyExistsError:
             # Either another writer won, or our own write was applied and only the reply
             # was lost (the retry was then refused): read it back to know which.
-            ours, written, current = self._ours(name, attempt)
-            if not ours:
+            outcome, written, current = self._settle(name, attempt, check)
+            if outcome == "lost":
                 self.discard(name, attempt)
                 raise self._conflict(name, current.writer if current else None) from None
-            log.info("commit of %s: reply lost, marker is ours", d.describe(name))
+            if outcome == "unknown":
+                self.discard(name, attempt)  # no marker names it now
+                raise CommitOutcomeUnknownError(
+                    f"{d.describe(name)} was deleted while this writer confirmed its commit (the "
+                    "reply was lost): it may have committed and been deleted, or lost to another "
+                    "writer that was deleted; nothing of it is left") from None
+            log.info("commit of %s: reply lost, the marker was ours (%s)", d.describe(name), outcome)
         except Exception:
             # The marker write may or may not have been applied (a timeout, a lost reply
             # then no more retries): if it is ours, we committed; otherwise the attempt's
             # data is left for recovery, because a late write of our marker could still
             # land and must never point at deleted data.
             try:
-                ours, written, _ = self._ours(name, attempt)
-            except Exception:  # noqa: BLE001 - the original error is the one to report
-                ours = False
-            if not ours:
+                outcome, written, _ = self._settle(name, attempt, check)
+            except LeaseLostError:
                 raise
-        self._check_data_still_there(name, attempt, written, old, check)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                outcome = "error"
+            if outcome not in ("ours", "superseded"):
+                raise
+        if outcome == "ours":
+            self._check_data_still_there(name, attempt, written, old, check)
         if old is not None and old.attempt != attempt:
             self._cleanup(self._prefix(name, old.attempt))  # the replaced checkpoint's data
 
-    def _ours(self, name: str, attempt: str) -> tuple[bool, str | None, Marker | None]:
-        """(whether the marker of ``name`` names ``attempt``, its generation, the marker),
-        read afresh."""
+    def _settle(self, name: str, attempt: str, check: Callable[[], None] | None
+                ) -> tuple[str, str | None, Marker | None]:
+        """Whether a marker PUT whose outcome is unclear (refused retry, lost reply) made
+        ``attempt`` the committed ``name``, read afresh: ``"ours"`` (the marker names it;
+        with its generation), ``"superseded"`` (it committed and a later overwrite or
+        delete already replaced it: the marker records it as the one replaced, or the
+        attempt's manifest was removed, which only happens to committed data while its
+        writer's lease lives), ``"lost"`` (another writer's marker is there and this
+        attempt's data is intact) or ``"unknown"`` (no marker, data intact)."""
         marker, gen, found = self.marker_state(name)
-        return found == attempt, gen, marker
+        if found == attempt:
+            return "ours", gen, marker
+        if marker is not None and marker.replaces is not None and marker.replaces.attempt == attempt:
+            return "superseded", None, marker
+        if not self.driver.exists(f"{self._prefix(name, attempt)}/{MANIFEST_FILE}"):
+            if check:
+                check()  # recovery removes a dead writer's data: LeaseLostError then
+            return "superseded", None, marker
+        return ("unknown" if found is None else "lost"), None, marker
 
     def _check_data_still_there(self, name: str, attempt: str, written: str | None,
                                 old: Marker | None, check: Callable[[], None] | None) -> None:
-        """After the marker PUT succeeded, the attempt's manifest must still exist. It is
-        gone if this writer was paused past its lease between its check and the PUT and
-        recovery removed its data, or if a first try of a create had landed (reply lost),
-        another process deleted the checkpoint, and a retry created the marker again.
-        Then the marker is taken back (the replaced one put back for an overwrite),
-        conditionally on the generation this PUT wrote, and the commit fails."""
+        """After the marker PUT succeeded: if the marker is still the one this writer wrote,
+        the attempt's manifest must still exist. It is gone if this writer was paused past
+        its lease between its check and the PUT and recovery removed its data, or if a
+        first try of a create had landed (reply lost), another process deleted the
+        checkpoint, and a retry created the marker again. Then the marker is taken back
+        (the replaced one put back for an overwrite), conditionally on the generation this
+        PUT wrote: the first case raises :class:`LeaseLostError`, the second is a commit
+        that a later delete removed. A marker that is gone or another's means the commit
+        happened and a later delete or overwrite superseded it: committed."""
         if self.driver.exists(f"{self._prefix(name, attempt)}/{MANIFEST_FILE}"):
             return
+        # (read after the manifest: a delete or overwrite removes the marker before data)
+        _, now, found = self.marker_state(name)
+        if found != attempt or now != written:
+            return  # superseded after it committed
         key = f"{name}/{MARKER_FILE}"
         try:
             if old is not None:
@@ -414,9 +446,12 @@ class MarkerStrategy(CommitStrategy):
             pass  # replaced meanwhile: not ours to touch
         if check:
             check()  # LeaseLostError when this writer had been declared dead
-        raise CommitConflictError(
-            f"checkpoint {self.driver.describe(name)} was deleted by another process right "
-            "after this writer committed it (its commit reply was lost)", name=name)
+        # The lease is alive, so only a delete of the committed checkpoint removed its data:
+        # our first try had committed (reply lost) and was deleted, a retry re-created the
+        # marker. The commit happened and a later delete removed it: report it committed.
+        log.warning("%s was committed and then deleted by another process before the commit "
+                    "reply arrived; a retry had re-created its marker, now removed",
+                    self.driver.describe(name))
 
     def _put_manifest(self, name: str, attempt: str, manifest: bytes) -> None:
         """Write the attempt's manifest; on failure the attempt is discarded (nothing
@@ -486,9 +521,28 @@ class MarkerStrategy(CommitStrategy):
             raise self._changed(name, if_generation, found)
         # un-publish first, and only the marker that was read (a retry whose first try
         # landed finds it gone: fine)
-        d.delete(f"{name}/{MARKER_FILE}", if_generation=gen)
-        if marker is not None:
-            d.delete_tree(self._prefix(name, marker.attempt))
+        key = f"{name}/{MARKER_FILE}"
+        try:
+            d.delete(key, if_generation=gen)
+        except PreconditionFailedError:
+            # Another generation is there now. If it names the attempt we read, a writer's
+            # retry re-created it after our first try landed (reply lost): remove it too.
+            # Otherwise the checkpoint we read is gone either way (deleted by our first
+            # try, or replaced): only its data is left to remove.
+            _, now_gen, now_found = self.marker_state(name)
+            if now_found == found:
+                d.delete(key, if_generation=now_gen)
+        if marker is None:
+            return
+        d.delete_tree(self._prefix(name, marker.attempt))
+        # A writer whose marker PUT landed before this delete, reply lost, may have
+        # re-created the marker by a retry in between: it names the data just removed.
+        _, now_gen, now_found = self.marker_state(name)
+        if now_found == marker.attempt:
+            try:
+                d.delete(key, if_generation=now_gen)
+            except PreconditionFailedError:
+                pass  # replaced meanwhile: its writer's own check handles it
 
 
 def choose_strategy(driver: Driver) -> CommitStrategy:
