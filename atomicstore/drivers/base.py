@@ -332,15 +332,20 @@ _PROCESS_LOCKS_GUARD = threading.Lock()
 
 
 @contextlib.contextmanager
-def _process_lock(root: str, timeout: float) -> Iterator[None]:
-    with _PROCESS_LOCKS_GUARD:
-        lk = _PROCESS_LOCKS.setdefault(root, threading.Lock())
-    if not lk.acquire(timeout=timeout):
-        raise StorageTimeoutError(f"could not take the store lock of {root} within {timeout}s")
+def held(lock: threading.Lock | threading.RLock, timeout: float, what: str) -> Iterator[None]:
+    """Hold ``lock``, or raise :class:`StorageTimeoutError` after ``timeout`` seconds."""
+    if not lock.acquire(timeout=timeout):
+        raise StorageTimeoutError(f"could not take {what} within {timeout}s")
     try:
         yield
     finally:
-        lk.release()
+        lock.release()
+
+
+def _process_lock(root: str, timeout: float) -> contextlib.AbstractContextManager[None]:
+    with _PROCESS_LOCKS_GUARD:
+        lk = _PROCESS_LOCKS.setdefault(root, threading.Lock())
+    return held(lk, timeout, f"the store lock of {root}")
 
 
 def _swallow(task: asyncio.Future[Any]) -> None:

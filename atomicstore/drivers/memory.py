@@ -11,23 +11,12 @@ import contextlib
 import io
 import itertools
 import threading
-from collections.abc import Iterator
 from typing import Any
 
-from ..errors import AlreadyExistsError, NotFoundError, PreconditionFailedError, StorageTimeoutError
-from .base import Capabilities, Driver, Entry, FileInfo, Writer
+from ..errors import AlreadyExistsError, NotFoundError, PreconditionFailedError
+from .base import Capabilities, Driver, Entry, FileInfo, Writer, held
 
 _LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def _timed(lock: threading.RLock, timeout: float) -> Iterator[None]:
-    if not lock.acquire(timeout=timeout):
-        raise StorageTimeoutError(f"could not take the memory store lock within {timeout}s")
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 _GENERATIONS = itertools.count(1)
@@ -104,7 +93,7 @@ class MemoryDriver(Driver):
             raise PreconditionFailedError(f"{self.describe(key)} changed since it was read")
 
     def lock(self, timeout: float = 60.0) -> contextlib.AbstractContextManager[None]:
-        return _timed(_LOCK, timeout)
+        return held(_LOCK, timeout, "the memory store lock")
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         with _LOCK:
