@@ -33,7 +33,7 @@ from .errors import (
     NotFoundError,
     StorageError,
 )
-from .pytree.api import split_url
+from .pytree import split_url
 
 EXIT_OK, EXIT_BAD_DATA, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_STORAGE, EXIT_EXISTS = 0, 1, 2, 3, 4, 5
 
@@ -173,42 +173,66 @@ def _first_line(msg: str) -> str:
     return msg.strip().splitlines()[0] if msg.strip() else "unreadable"
 
 
-def _bad_leaf(st: Store, name: str) -> str | None:
-    """The first leaf of a pytree checkpoint whose bytes fail their CRC32C."""
-    from .pytree.api import INDEX_FILE, STATE_FILE, parse_index
+def _manifest_sizes(ck: Any) -> Callable[[str], int | None]:
+    """``sizes`` for ``parse_index``: a file's size in the manifest, None if not in it."""
+    files = ck.files
+    return lambda f: files[f].size if f in files else None
+
+
+def _bad_leaf(st: Store, name: str, path: str | None = None) -> str | None:
+    """The leaf of a pytree checkpoint that the damaged file ``path`` holds: the sharded
+    array that ``path`` is a shard file of, else the first leaf of the state file whose
+    bytes fail their CRC32C."""
+    from .commit.manifest import crc32c
+    from .pytree.format import INDEX_FILE, STATE_FILE, parse_index
+    from .pytree.tree import path_str
 
     try:
         ck = st.open(name)
-        idx = parse_index(ck.read_bytes(INDEX_FILE), ck.files[STATE_FILE].size, ck.where(INDEX_FILE))
-        from .commit.manifest import crc32c
-
+        idx = parse_index(ck.read_bytes(INDEX_FILE), ck.files[STATE_FILE].size, ck.where(INDEX_FILE),
+                          sizes=_manifest_sizes(ck))
+        if path is not None:
+            for lf in idx.leaves.values():
+                if lf.kind == "sh" and any(s.file == path for s in lf.value):
+                    return path_str(lf.path)
         for lf in idx.leaves.values():
             for off, n, crc in lf.ranges:
                 if crc is not None and crc32c(ck.read_range(STATE_FILE, off, off + n)) != crc:
-                    from .pytree.tree import path_str
-
                     return path_str(lf.path)
     except (AtomicStoreError, KeyError, AttributeError):
         return None
     return None
 
 
+def _check_index(ck: Any) -> None:
+    """A pytree checkpoint's index must hold up too (restore refuses it otherwise): every
+    range inside the state file, the shards of each sharded array tiling it exactly with
+    files of the sizes the manifest records (:func:`~atomicstore.pytree.format.parse_index`)."""
+    from .pytree.format import INDEX_FILE, STATE_FILE, parse_index
+
+    if INDEX_FILE in ck.files and STATE_FILE in ck.files:
+        parse_index(ck.read_bytes(INDEX_FILE), ck.files[STATE_FILE].size, ck.where(INDEX_FILE),
+                    sizes=_manifest_sizes(ck))
+
+
 def _verify_one(st: Store, name: str) -> dict[str, Any]:
     try:
         if st.exists(name):
-            man = st.open(name).manifest
+            ck = st.open(name)
+            man = ck.manifest
             bar = _Progress(f"verify {name}", man.total_bytes)
             st.verify(name)
             bar.done()
+            _check_index(ck)
             return {"name": name, "ok": True, "bytes": man.total_bytes}
         if st.driver.exists(name):  # a flax legacy file: check its structure leaf by leaf
-            from .pytree.api import restore
+            from .pytree import restore
 
             restore(f"{st.url}/{name}", store=st)
             return {"name": name, "ok": True, "bytes": st.driver.info(name).size}
         raise NotFoundError(f"no checkpoint {name!r} in {st.url}")
     except CorruptionError as exc:
-        leaf = exc.leaf or _bad_leaf(st, name)
+        leaf = exc.leaf or _bad_leaf(st, name, exc.path)
         return {"name": name, "ok": False, "file": exc.path, "leaf": leaf, "error": str(exc)}
 
 
@@ -221,7 +245,7 @@ def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
             if r["ok"]:
                 print(f"ok       {r['name']} ({_size(r['bytes'])})")
             else:
-                where = r["file"] + (f", leaf {r['leaf']}" if r.get("leaf") else "")
+                where = (r["file"] or r["name"]) + (f", leaf {r['leaf']}" if r.get("leaf") else "")
                 print(f"CORRUPT  {r['name']}: {where}: {r['error']}")
         if not results:
             print(f"no committed checkpoints in {st.url}")
@@ -271,8 +295,19 @@ def cmd_recover(args: argparse.Namespace, out: _Out) -> int:
     return EXIT_OK
 
 
+#: shard files listed per sharded array in human ``inspect`` output (``--json`` lists all)
+SHOW_SHARDS = 16
+
+
+def _span(start: Sequence[int], shape: Sequence[int]) -> str:
+    """A shard's index range in the global array, ``[0:4, 0:6]``."""
+    return "[" + ", ".join(f"{a}:{a + n}" for a, n in zip(start, shape, strict=True)) + "]"
+
+
 def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
-    from .pytree.api import INDEX_FILE, STATE_FILE, index_of_msgpack, parse_index
+    import math
+
+    from .pytree.format import INDEX_FILE, STATE_FILE, index_of_msgpack, parse_index
     from .pytree.tree import path_str
 
     root, name = split_url(args.url)
@@ -286,7 +321,8 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
             out.emit({"name": name, "files": files, "metadata": meta},
                      lambda: [print(f"{p}  {_size(n)}") for p, n in files.items()])
             return EXIT_OK
-        idx = parse_index(ck.read_bytes(INDEX_FILE), ck.files[STATE_FILE].size, ck.where(INDEX_FILE))
+        idx = parse_index(ck.read_bytes(INDEX_FILE), ck.files[STATE_FILE].size, ck.where(INDEX_FILE),
+                          sizes=_manifest_sizes(ck))
         kind = "checkpoint"
     elif st.driver.exists(name):
         size = st.driver.info(name).size
@@ -301,19 +337,37 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
     leaves: list[dict[str, Any]] = []
     for lf in idx.leaves.values():
         nbytes = sum(n for _, n, _ in lf.ranges) if lf.kind in ("nd", "ndc", "sc") else None
-        leaves.append({"path": path_str(lf.path), "dtype": None if lf.dtype is None else lf.dtype.name,
-                       "shape": list(lf.shape) if lf.dtype is not None else None, "bytes": nbytes,
-                       "kind": lf.kind})
+        leaf: dict[str, Any] = {"path": path_str(lf.path), "dtype": None if lf.dtype is None else lf.dtype.name,
+                                "shape": list(lf.shape) if lf.dtype is not None else None, "bytes": nbytes,
+                                "kind": lf.kind}
+        if lf.kind == "sh":  # sharded across processes: its bytes are in its shard files
+            assert lf.dtype is not None
+            item = lf.dtype.itemsize
+            leaf["bytes"] = lf.nbytes
+            leaf["shards"] = [{"file": s.file, "start": list(s.start), "shape": list(s.shape),
+                               "bytes": math.prod(s.shape) * item} for s in lf.value]
+        leaves.append(leaf)
     total = sum(lf["bytes"] or 0 for lf in leaves)
+    sharded = [lf for lf in leaves if lf["kind"] == "sh"]
     doc = {"name": name, "kind": kind, "leaves": leaves, "total_bytes": total, "metadata": meta}
 
     def human() -> None:
-        print(f"{name} ({kind}): {len(leaves)} leaves, {_size(total)} of arrays")
+        print(f"{name} ({kind}): {len(leaves)} leaves, {_size(total)} of arrays"
+              + (f", {len(sharded)} sharded across processes" if sharded else ""))
         w = max([len(lf["path"]) for lf in leaves] + [4])
         for lf in leaves:
             shape = "" if lf["shape"] is None else "(" + ", ".join(map(str, lf["shape"])) + ")"
-            print(f"  {lf['path']:{w}}  {lf['dtype'] or lf['kind']:>10} {shape:>18} "
-                  f"{_size(lf['bytes']) if lf['bytes'] is not None else '':>10}")
+            line = (f"  {lf['path']:{w}}  {lf['dtype'] or lf['kind']:>10} {shape:>18} "
+                    f"{_size(lf['bytes']) if lf['bytes'] is not None else '':>10}")
+            if lf["kind"] != "sh":
+                print(line)
+                continue
+            n = len(lf["shards"])
+            print(f"{line}  sharded, {n} shard{'s' if n != 1 else ''}:")
+            for s in lf["shards"][:SHOW_SHARDS]:
+                print(f"      {s['file']}  {_span(s['start'], s['shape'])}  {_size(s['bytes'])}")
+            if n > SHOW_SHARDS:
+                print(f"      ... and {n - SHOW_SHARDS} more (--json lists them all)")
         if meta:
             print("metadata: " + json.dumps(meta, default=str))
 
@@ -349,7 +403,7 @@ def cmd_cp(args: argparse.Namespace, out: _Out) -> int:
         dst.verify(dname)
         nbytes = ck.manifest.total_bytes
     elif src.driver.exists(sname):  # a flax legacy file
-        from .pytree.api import restore
+        from .pytree import restore
 
         restore(f"{src.url}/{sname}", store=src)  # structure check first
         nbytes = 0

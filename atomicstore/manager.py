@@ -12,7 +12,6 @@ a step whose metadata it cannot read.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import threading
@@ -31,9 +30,9 @@ from .errors import (
     NotFoundError,
     PreconditionFailedError,
 )
-from .pytree.api import restore as _restore
-from .pytree.api import save as _save
-from .pytree.tree import is_jax_array, rebuild
+from .pytree import DEFAULT_TIMEOUT, PreparedSave, Session
+from .pytree import restore as restore_tree
+from .pytree.coordination import check_timeout, process_index_count
 
 log = logging.getLogger("atomicstore.manager")
 Step = int | float
@@ -42,7 +41,7 @@ WRITE_EVENT = "/jax/checkpoint/write/durations_sec"
 READ_EVENT = "/jax/checkpoint/read/durations_sec"
 
 
-def _record(event: str, seconds: float) -> None:
+def record_event(event: str, seconds: float) -> None:
     try:
         import jax.monitoring
     except ImportError:  # pragma: no cover - numpy-only installs
@@ -50,7 +49,7 @@ def _record(event: str, seconds: float) -> None:
     jax.monitoring.record_event_duration_secs(event, seconds)
 
 
-def _check_step(step: Any) -> Step:
+def check_step(step: Any) -> Step:
     if isinstance(step, bool) or not isinstance(step, int | float | np.integer | np.floating):
         raise InvalidArgumentError(f"step must be an int or a float, not {type(step).__name__}")
     step = step.item() if isinstance(step, np.generic) else step
@@ -90,7 +89,18 @@ class CheckpointManager:
             ``save(..., copy=False)`` promises not to mutate them).
         max_pending: saves in flight at once (async); the next ``save`` waits.
         storage_options: passed to fsspec.
-        recover: run recovery (grace period rule) when the directory is opened.
+        recover: run recovery (grace period rule) when the directory is opened (by
+            process 0 only, in a multi-host job).
+        timeout: multi-host jobs: seconds a process waits for the others in a save (see
+            :func:`atomicstore.save`).
+
+    Multi-host (``jax.distributed``) jobs: every process creates the manager and calls
+    ``save``, ``restore`` and ``delete`` with the same arguments in the same order, as
+    with Orbax. Arrays sharded across processes are written by the processes holding
+    them; process 0 checks the step, writes the rest, commits and applies retention.
+    ``restore`` without a step restores the step process 0 finds latest, in every process.
+    Errors of a background save in any process are raised by the next call in every
+    process.
     """
 
     def __init__(
@@ -108,8 +118,10 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         recover: bool = True,
         store: Store | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         check_retention(prefix, keep, keep_every_n_steps)
+        self.timeout = check_timeout(timeout)
         if best_mode not in ("max", "min"):
             raise InvalidArgumentError("best_mode must be 'max' or 'min'")
         if best_fn is not None and not callable(best_fn):
@@ -125,7 +137,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
-        if recover:
+        if recover and process_index_count()[0] == 0:
             report = self.store.recover(flax_prefix=prefix)
             if report.actions:
                 log.info("%s", report.summary())
@@ -160,7 +172,7 @@ class CheckpointManager:
         """The metadata saved with ``step``: ``user``, ``metrics``, ``items``,
         ``started`` and ``committed`` (Unix times), ``version``, ``milestone``,
         ``ephemeral``, ``step``, and ``attempt`` (the id of the save that committed it)."""
-        man = self.store.manifest(self._name(_check_step(step)))
+        man = self.store.manifest(self._name(check_step(step)))
         return {**man.metadata, "committed": man.committed, "attempt": man.attempt}
 
     # -- saving ------------------------------------------------------------------------
@@ -180,39 +192,56 @@ class CheckpointManager:
         """Save ``tree`` as ``step``, with optional named JSON ``items`` (e.g. a data
         iterator's position or a config) committed together with it. Raises an earlier
         background save's error first."""
-        self._check_open()
-        self._raise_pending_error()
-        step = _check_step(step)
-        if milestone and ephemeral:
-            raise InvalidArgumentError("a checkpoint cannot be both a milestone and ephemeral")
-        for what, val in (("metadata", metadata), ("metrics", metrics), ("items", items)):
-            if val is not None and not isinstance(val, dict):
-                raise InvalidArgumentError(f"{what} must be a dict of JSON values")
-            try:
-                json.dumps(val, allow_nan=what == "metrics")
-            except (TypeError, ValueError) as exc:
-                raise InvalidArgumentError(f"{what} must hold JSON values only (nothing executable is stored): {exc}") from None
-        if items is not None and not all(isinstance(k, str) and k for k in items):
-            raise InvalidArgumentError("items must be named by non-empty strings")
-        steps = self.all_steps()
-        overwrite = self.overwrite or force
-        newer = [s for s in steps if s >= step]
-        if newer and not overwrite:
-            raise InvalidArgumentError(
-                f"step {step} is not newer than the latest checkpoint {steps[-1]} "
-                f"(pass overwrite=True to the manager, or force=True)"
-            )
-        meta = {"user": metadata or {}, "metrics": metrics or {}, "started": time.time(),
-                "version": _version(), "milestone": milestone, "ephemeral": ephemeral, "step": step,
-                "items": json.loads(json.dumps(items or {}))}
+        session = Session.begin(f"save of step {step!r} in {self.store.url}", self.timeout)
+        try:  # (the session is drawn first: every process draws it, whatever fails next)
+            self._check_open()
+            self._raise_pending_error()
+            step = check_step(step)
+            if milestone and ephemeral:
+                raise InvalidArgumentError("a checkpoint cannot be both a milestone and ephemeral")
+            for what, val in (("metadata", metadata), ("metrics", metrics), ("items", items)):
+                if val is not None and not isinstance(val, dict):
+                    raise InvalidArgumentError(f"{what} must be a dict of JSON values")
+                try:
+                    json.dumps(val, allow_nan=what == "metrics")
+                except (TypeError, ValueError) as exc:
+                    raise InvalidArgumentError(f"{what} must hold JSON values only (nothing executable is "
+                                               f"stored): {exc}") from None
+            if items is not None and not all(isinstance(k, str) and k for k in items):
+                raise InvalidArgumentError("items must be named by non-empty strings")
+            overwrite = self.overwrite or force
+            newer: list[Step] = []
+            if session is None or session.main:  # process 0 decides on the step
+                steps = self.all_steps()
+                newer = [s for s in steps if s >= step]
+                if newer and not overwrite:
+                    raise InvalidArgumentError(
+                        f"step {step} is not newer than the latest checkpoint {steps[-1]} "
+                        f"(pass overwrite=True to the manager, or force=True)"
+                    )
+            meta = {"user": metadata or {}, "metrics": metrics or {}, "started": time.time(),
+                    "version": _version(), "milestone": milestone, "ephemeral": ephemeral, "step": step,
+                    "items": json.loads(json.dumps(items or {}))}
+            job = PreparedSave(tree, session=session, snapshot=self.async_save, copy=copy)
+            if not self.async_save:
+                gens = self._generations(newer) if overwrite else {}
+        except BaseException as exc:
+            if session is not None:
+                session.fail(exc)
+            raise
         if not self.async_save:
-            self._save_now(step, tree, meta, self._generations(newer) if overwrite else {})
+            self._save_now(step, job, meta, gens)
             return
-        snap = _snapshot(tree, copy)
         self._slots.acquire()
         self.wait_until_finished(_raise=False)  # saves are ordered
-        gens = self._generations(newer) if overwrite else {}
-        t = threading.Thread(target=self._background, args=(step, snap, meta, gens),
+        try:
+            gens = self._generations(newer) if overwrite else {}
+        except BaseException as exc:
+            self._slots.release()
+            if session is not None:
+                session.fail(exc)
+            raise
+        t = threading.Thread(target=self._background, args=(step, job, meta, gens),
                              name=f"atomicstore-save-{step}", daemon=True)
         with self._lock:
             self._pending.append(t)
@@ -223,9 +252,9 @@ class CheckpointManager:
         that removing them later removes only those, never one saved since."""
         return {s: self.store.strategy.current(self._name(s)) for s in steps}
 
-    def _background(self, step: Step, tree: Any, meta: dict, newer: dict[Step, str | None]) -> None:
+    def _background(self, step: Step, job: PreparedSave, meta: dict, newer: dict[Step, str | None]) -> None:
         try:
-            self._save_now(step, tree, meta, newer)
+            self._save_now(step, job, meta, newer)
         except BaseException as exc:  # noqa: BLE001 - kept and raised on the next call
             log.error("background save of step %s failed: %s", step, exc)
             with self._lock:
@@ -233,21 +262,23 @@ class CheckpointManager:
         finally:
             self._slots.release()
 
-    def _save_now(self, step: Step, tree: Any, meta: dict, newer: dict[Step, str | None]) -> None:
+    def _save_now(self, step: Step, job: PreparedSave, meta: dict, newer: dict[Step, str | None]) -> None:
         t0 = time.monotonic()
-        _save(f"{self.store.url}/{self._name(step)}", tree, store=self.store, metadata=meta,
-              overwrite=step in newer)
+
+        def after() -> None:  # process 0, once committed
+            # flax: overwriting removes newer steps, here only once the new step committed
+            for s, gen in newer.items():
+                if s != step and gen is not None:
+                    try:  # only the checkpoint that was there when save was called
+                        self.store.delete(self._name(s), if_attempt=gen)
+                    except (NotFoundError, PreconditionFailedError):
+                        pass  # deleted, or saved again, by someone else meanwhile
+            self._retain(step, meta)
+
+        job.run(self.store, self._name(step), overwrite=step in newer, metadata=meta, after=after)
         dt = time.monotonic() - t0
-        _record(WRITE_EVENT, dt)
+        record_event(WRITE_EVENT, dt)
         log.info("saved step %s in %.3fs", step, dt)
-        # flax: overwriting removes newer steps, here only once the new step committed
-        for s, gen in newer.items():
-            if s != step and gen is not None:
-                try:  # only the checkpoint that was there when save was called
-                    self.store.delete(self._name(s), if_attempt=gen)
-                except (NotFoundError, PreconditionFailedError):
-                    pass  # deleted, or saved again, by someone else meanwhile
-        self._retain(step, meta)
 
     def _readable_metadata(self, steps: list[Step]) -> dict[Step, dict[str, Any]]:
         """The metadata of each step retention can read. A step deleted since the listing
@@ -318,13 +349,14 @@ class CheckpointManager:
         first, so a step just saved is restorable."""
         self.wait_until_finished()
         if step is None:
-            step = self.latest_step()
+            session = Session.begin(f"restore of the latest step of {self.store.url}", self.timeout)
+            step = self.latest_step() if session is None else session.decide(self.latest_step)
             if step is None:
                 raise NotFoundError(f"no checkpoint with prefix {self.prefix!r} in {self.store.url}")
-        step = _check_step(step)
+        step = check_step(step)
         t0 = time.monotonic()
-        out = _restore(f"{self.store.url}/{self._name(step)}", target, store=self.store, **kwargs)
-        _record(READ_EVENT, time.monotonic() - t0)
+        out = restore_tree(f"{self.store.url}/{self._name(step)}", target, store=self.store, **kwargs)
+        record_event(READ_EVENT, time.monotonic() - t0)
         return (out, self.items(step)) if with_items else out
 
     def items(self, step: Step) -> dict[str, Any]:
@@ -332,7 +364,13 @@ class CheckpointManager:
         return dict(self.metadata(step).get("items") or {})
 
     def delete(self, step: Step) -> None:
-        self.store.delete(self._name(_check_step(step)))
+        """Delete ``step`` (in a multi-host job: every process calls it, process 0 deletes)."""
+        session = Session.begin(f"delete of step {step!r} in {self.store.url}", self.timeout)
+        name = self._name(check_step(step))
+        if session is None:
+            self.store.delete(name)
+        else:
+            session.decide(lambda: self.store.delete(name))
 
     # -- async bookkeeping -----------------------------------------------------------------
     def wait_until_finished(self, _raise: bool = True) -> None:
@@ -372,30 +410,6 @@ class CheckpointManager:
         else:  # do not mask the exception in flight
             self._closed = True
             self.wait_until_finished(_raise=False)
-
-
-def _snapshot(tree: Any, copy_numpy: bool) -> Any:
-    """A copy of ``tree`` that later mutation of the caller's arrays cannot change: jax
-    arrays are copied to host (all transfers started first), numpy arrays copied unless
-    the caller promised not to mutate them."""
-    started = []
-
-    def start(path: Any, leaf: Any) -> Any:
-        if is_jax_array(leaf) and getattr(leaf, "is_fully_addressable", True):
-            leaf.copy_to_host_async()
-            started.append(leaf)
-        return leaf
-
-    rebuild(tree, start)
-
-    def take(path: Any, leaf: Any) -> Any:
-        if is_jax_array(leaf) and getattr(leaf, "is_fully_addressable", True):
-            return np.asarray(leaf)
-        if isinstance(leaf, np.ndarray):
-            return leaf.copy() if copy_numpy else leaf
-        return copy.deepcopy(leaf) if isinstance(leaf, dict | list) else leaf
-
-    return rebuild(tree, take)
 
 
 def _version() -> str:

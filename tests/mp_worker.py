@@ -42,7 +42,6 @@ def main() -> None:
     nproc_i, pid_i = int(nproc), int(pid)
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc_i, process_id=pid_i,
                                initialization_timeout=60, heartbeat_timeout_seconds=60)
-    from atomicstore import multiprocess as mp
     from atomicstore.compat import flax as ck
 
     opts_d = json.loads(opts)
@@ -61,13 +60,13 @@ def main() -> None:
     try:
         if mode == "save":
             t0 = time.monotonic()
-            result["path"] = mp.save_checkpoint_multiprocess(url, make(float(arg)), float(arg), keep=2,
+            result["path"] = ck.save_checkpoint_multiprocess(url, make(float(arg)), float(arg), keep=2,
                                                              storage_options=opts_d, timeout=60)
             result["seconds"] = time.monotonic() - t0
         elif mode == "save_async":
             am = ck.AsyncManager()
             for s in arg.split(","):
-                mp.save_checkpoint_multiprocess(url, make(float(s)), float(s), keep=10, async_manager=am,
+                ck.save_checkpoint_multiprocess(url, make(float(s)), float(s), keep=10, async_manager=am,
                                                 storage_options=opts_d, timeout=60)
             am.wait_previous_save()
             result["ok"] = True
@@ -76,7 +75,7 @@ def main() -> None:
                 os._exit(17)  # this process is lost before it writes anything
             t0 = time.monotonic()
             try:
-                mp.save_checkpoint_multiprocess(url, make(float(arg)), float(arg), storage_options=opts_d, timeout=8)
+                ck.save_checkpoint_multiprocess(url, make(float(arg)), float(arg), storage_options=opts_d, timeout=8)
                 result["error"] = None
             except Exception as exc:  # noqa: BLE001 - reported to the test
                 result["error"] = f"{type(exc).__name__}: {exc}"

@@ -39,7 +39,6 @@ import json
 import logging
 import random
 import secrets
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,8 +48,11 @@ import pytest
 from conftest import FAST_RETRY
 
 import atomicstore
-import atomicstore.multiprocess as mp
+from atomicstore.commit.manifest import crc32c
 from atomicstore.compat import flax as compat_flax
+from atomicstore.pytree import Session
+from atomicstore.pytree.format import SHARD_BLOCK
+from atomicstore.pytree.sharded import LocalShard, ShardedLeaf
 
 BACKENDS = ("object", "rename")
 #: a pause long enough that the paused writer's lease is dead for everyone else
@@ -494,7 +496,7 @@ def test_fake_object_stores_sample(
 # -- multi-process save x second job ------------------------------------------------------
 MP_PREFIX = "checkpoint_"
 MP_MAIN = "checkpoint_1"  # the step's main file: its commit point
-MP_GDA = MP_MAIN + mp.MP_ARRAY_POSTFIX  # the step's arrays: an atomicstore checkpoint
+MP_GDA = MP_MAIN + compat_flax.MP_ARRAY_POSTFIX  # the step's arrays: an atomicstore checkpoint
 MP_JOBS = {"J1": 1, "J2": 2}  # actor -> job id: its array is arange(4) + job id
 #: what the job that loses the step may be told (flax's "not newer" rule, or the race lost)
 MP_LOSER = frozenset({"CommitConflictError", "InvalidCheckpointError"})
@@ -504,38 +506,23 @@ def _mp_array(job: int) -> np.ndarray:
     return np.arange(4, dtype=np.float32) + job
 
 
-def _mp_meta() -> dict[str, Any]:
-    return {"format": mp.ARRAYS_FORMAT, "arrays": [{"key": "w", "dtype": "float32", "shape": [4]}]}
-
-
 def _mp_files(job: int) -> dict[str, bytes]:
-    """The files of a job's ``_gda`` checkpoint, as ``_save_main`` writes them."""
-    meta = _mp_meta()
-    meta["arrays"][0]["shards"] = [{"file": "a0/0.bin", "start": [0], "shape": [4]}]
-    return {"a0/0.bin": _mp_array(job).tobytes(), mp.ARRAYS_FILE: json.dumps(meta).encode()}
-
-
-class _OneProcess:
-    """The coordinator of a one-process job (``multiprocess._Coordinator``'s interface):
-    process 0 alone, nobody to publish to or wait for."""
-
-    count, index = 1, 0
-
-    def put(self, key: str, value: Any) -> None:
-        pass
-
-    def get(self, key: str, who: str, deadline: float) -> Any:
-        raise AssertionError(f"one process: nobody to wait for ({key} from {who})")
+    """The files of a job's ``_gda`` checkpoint, as ``compat.flax.save_gda`` writes them."""
+    data = _mp_array(job).tobytes()
+    crc = crc32c(data)
+    meta = {"format": compat_flax.ARRAYS_FORMAT, "arrays": [{"key": "w", "dtype": "float32", "shape": [4], "shards": [
+        {"file": "a0/0.bin", "start": [0], "shape": [4], "crc32c": crc, "blocks": [crc], "block": SHARD_BLOCK}]}]}
+    return {"a0/0.bin": data, compat_flax.ARRAYS_FILE: json.dumps(meta).encode()}
 
 
 def mp_job(actor: str) -> sched.Program:
     """One job saving step 1 through the multi-process commit path, as its process 0 (the
-    only one): the storage part of ``save_checkpoint_multiprocess``, i.e. ``_save_main``
-    with numpy shards, without overwrite.
+    only one): the storage part of ``save_checkpoint_multiprocess``, i.e.
+    ``compat.flax.save_gda`` in a one-process session with numpy shards, without overwrite.
 
     What the job is told is recorded as two events: a ``save`` of ``checkpoint_1_gda``
     (its attempt and files, for invariants 1-3 on that name) and, from the moment
-    ``_save_main`` opens the main file, a ``onefile`` of ``checkpoint_1`` (the bytes it
+    ``save_gda`` opens the main file, a ``onefile`` of ``checkpoint_1`` (the bytes it
     streamed); both carry the outcome of the whole ``_save_main`` call."""
     job = MP_JOBS[actor]
 
@@ -568,22 +555,12 @@ def mp_job(actor: str) -> sched.Program:
             return f
 
         st.transaction, st.one_file = hooked_transaction, hooked_one_file  # type: ignore[method-assign]
-        shards = [{"array": 0, "start": [0], "data": _mp_array(job), "file": "a0/0.bin"}]
-        state = {"w": mp.MP_ARRAY_PH + "w", "step": 1}  # as _split leaves it
+        leaf = ShardedLeaf(0, "w", np.dtype(np.float32), (4,))
+        state = {"w": leaf, "step": 1}  # as split_tree leaves it
         try:
             with sched._event("save", MP_GDA, files=_mp_files(job)) as gda_ev:
-                mp._save_main(
-                    _OneProcess(),  # type: ignore[arg-type]
-                    st,
-                    MP_PREFIX,
-                    MP_MAIN,
-                    f"{st.url}/{MP_MAIN}",
-                    state,
-                    _mp_meta(),
-                    shards,
-                    False,
-                    time.monotonic() + 60,
-                )
+                compat_flax.save_gda(Session("one-process save", 60), st, MP_PREFIX, MP_MAIN, state, [leaf],
+                                     [LocalShard(0, (0,), _mp_array(job))], False)
         finally:
             if main_ev is not None:
                 main_ev.outcome, main_ev.error = gda_ev.outcome, gda_ev.error
@@ -771,7 +748,7 @@ def mp_save_x_second_job(backend: str) -> sched.Scenario:
 @pytest.fixture
 def _mp_inline() -> None:
     """``schedfinal://`` registered for restores. (Each job has one shard, which
-    ``atomicstore.multiprocess`` writes in the calling thread: a scheduling point of its
+    ``atomicstore.pytree.sharded.write_shards`` writes in the calling thread: a scheduling point of its
     actor.)"""
     atomicstore.register_driver(_FinalStoreDriver)
 

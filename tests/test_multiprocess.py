@@ -19,7 +19,6 @@ from conftest import make_backend
 from mp_worker import ROWS, expected
 
 import atomicstore
-from atomicstore import multiprocess as mp
 from atomicstore.compat import flax as ck
 
 WORKER = Path(__file__).with_name("mp_worker.py")
@@ -83,7 +82,7 @@ def test_two_processes_save_then_restore_with_2_4_and_1_processes(kind, request,
     for k, v in e.items():
         assert np.array_equal(np.asarray(state[k]), v), k
     main = st.driver.read("checkpoint_2.0")
-    assert mp.MP_ARRAY_PH.encode() + b"w" in main
+    assert ck.MP_ARRAY_PH.encode() + b"w" in main
     # same and different process counts
     res = run(2, "restore", "2.0", url, opts, tmp_path)
     ok(res)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import atomicstore
 from atomicstore.pytree import INDEX_FILE, STATE_FILE
-from atomicstore.pytree.api import parse_index
+from atomicstore.pytree.format import parse_index
 
 
 def legacy(tmp_path, data: bytes, name="ckpt_1"):
@@ -264,13 +264,13 @@ def test_hostile_dtype_in_arrays_json_names_file_and_leaf(dtype):
     import json
     import secrets
 
-    from atomicstore.multiprocess import ARRAYS_FILE, ARRAYS_FORMAT, _Arrays
+    from atomicstore.compat.flax import ARRAYS_FILE, ARRAYS_FORMAT, gda_arrays
 
     st = atomicstore.open_store(f"memory://hostile-{secrets.token_hex(6)}")
     meta = {"format": ARRAYS_FORMAT, "arrays": [{"key": "w", "dtype": dtype, "shape": [2], "shards": []}]}
     _committed(st, "ck_gda", {ARRAYS_FILE: json.dumps(meta).encode()})
     with pytest.raises(atomicstore.AtomicStoreError) as info:
-        _Arrays(st, "ck")
+        gda_arrays(st, "ck", threads=1)
     err = info.value
     assert type(err) is atomicstore.CorruptionError, repr(err)
     assert err.path == ARRAYS_FILE and err.leaf == "w" and ARRAYS_FILE in str(err)

@@ -6,6 +6,7 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -179,8 +180,11 @@ class Transaction:
             raise TransactionError(f"transaction for {self.name!r} is already {self._state.value}")
 
     # -- ending -------------------------------------------------------------------------
-    def commit(self) -> Manifest:
-        """Write the manifest and publish the checkpoint. Returns its manifest."""
+    def commit(self, *, check: Callable[[], None] | None = None) -> Manifest:
+        """Write the manifest and publish the checkpoint. Returns its manifest.
+
+        ``check()`` (e.g. a multi-host save's own deadline) runs with the lease check,
+        after everything is written, right before the commit point; its error aborts."""
         with self._lock:
             self._check_open()
             if self._open:
@@ -197,13 +201,20 @@ class Transaction:
                 committed=time.time(),
             )
             data = manifest.to_bytes()
+            lease_check = self._lease.check
+
+            def checks() -> None:
+                lease_check()
+                if check is not None:
+                    check()
+
             try:
                 # publish cleans up after itself where that is provably safe; it checks
                 # the lease (a writer declared dead must not commit) after writing the
                 # manifest, right before the commit point
                 self.store.strategy.publish(
                     self.name, self.attempt, self.store.writer_id, data, overwrite=self.overwrite,
-                    expected=self.expected, check=self._lease.check,
+                    expected=self.expected, check=checks,
                 )
             except CommitConflictError:
                 self._state = _State.ABORTED

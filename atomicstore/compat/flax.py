@@ -13,14 +13,20 @@ S3 and GCS, where flax copies and deletes), two writers of one step cannot both 
 and leftovers of a crash are removed by recovery. ``gs://`` and ``s3://`` URLs work
 unchanged; every function also takes ``storage_options=`` for fsspec.
 
+Arrays sharded across processes (``save_checkpoint_multiprocess``) use flax's layout,
+``<prefix><step>`` plus a ``<prefix><step>_gda`` directory, mapped onto the same shard
+writing, coordination and region reads as the native multi-host save
+(:mod:`atomicstore.pytree.sharded`, :mod:`atomicstore.pytree.coordination`); see
+``docs/multiprocess.md``.
+
 Not supported: ``orbax_checkpointer`` / Orbax checkpoints (use Orbax) and
-``gda_manager`` (arrays sharded across processes are handled by
-:mod:`atomicstore.multiprocess` without one).
+``gda_manager`` (accepted and ignored: no manager is needed).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import os
 import re
@@ -29,11 +35,22 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..commit import Store, open_store
-from ..errors import InvalidArgumentError, NotFoundError, PreconditionFailedError
-from ..manager import READ_EVENT, WRITE_EVENT, _check_step, _record, _snapshot, check_retention
-from ..pytree.api import StateWriter
-from ..pytree.api import restore as _restore
+from ..commit import Store, Transaction, open_store
+from ..errors import (
+    CommitConflictError,
+    CorruptionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PreconditionFailedError,
+)
+from ..manager import READ_EVENT, WRITE_EVENT, check_retention, check_step, record_event
+from ..pytree import DEFAULT_TIMEOUT, Session, StateWriter
+from ..pytree import restore as restore_tree
+from ..pytree.coordination import check_timeout, coordinated_save
+from ..pytree.dtypes import parse_dtype
+from ..pytree.format import Shard, check_shards
+from ..pytree.sharded import ShardedLeaf, ShardReader, local_shards, restore_array, split_tree
+from ..pytree.tree import Path, rebuild, snapshot_tree, walk_leaves
 
 log = logging.getLogger("atomicstore.compat.flax")
 
@@ -43,6 +60,8 @@ MODULE_NUM_RE = re.compile(r"(.*)_\d+$")
 SCHEME_RE = re.compile("^(?P<scheme>[a-z][a-z0-9.+-]+://)?(?P<path>.*)", re.I)
 MP_ARRAY_POSTFIX = "_gda"
 MP_ARRAY_PH = "//GDAPlaceholder:"
+ARRAYS_FILE = "arrays.json"
+ARRAYS_FORMAT = "atomicstore.gda/1"
 COMMIT_SUCCESS_FILE = "commit_success.txt"
 ORBAX_FILES = {"checkpoint", "_METADATA", "manifest.ocdbt"}
 
@@ -235,7 +254,7 @@ def save_checkpoint(
     if async_manager is not None and not isinstance(async_manager, AsyncManager):
         raise InvalidArgumentError("async_manager must be an atomicstore.compat.flax.AsyncManager")
     check_retention(prefix, keep, keep_every_n_steps)
-    step = _check_step(step)
+    step = check_step(step)
     ckpt_dir = safe_normpath(_fspath(ckpt_dir))
     start = time.monotonic()
     if async_manager:
@@ -244,14 +263,14 @@ def save_checkpoint(
     name = f"{prefix}{step}"
     path = _join(ckpt_dir, name)
     _check_newer(st, prefix, name, path, step, overwrite)
-    writer = StateWriter(target if async_manager is None else _snapshot(target, True), sort_keys=False)
+    writer = StateWriter(target if async_manager is None else snapshot_tree(target, True), sort_keys=False)
 
     def task() -> None:
         with st.one_file(name, overwrite=overwrite) as f:
             writer.write(f)
         log.info("saved checkpoint at %s", path)
         _remove_invalid(st, name, prefix, keep, overwrite, keep_every_n_steps)
-        _record(WRITE_EVENT, time.monotonic() - start)
+        record_event(WRITE_EVENT, time.monotonic() - start)
 
     if async_manager:
         async_manager.save_async(task)
@@ -316,16 +335,94 @@ def save_checkpoint_multiprocess(
     orbax_checkpointer: Any = None,
     *,
     storage_options: Mapping[str, Any] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> str:
-    """flax's multi-process save: every process calls it. Arrays sharded across processes
-    go to ``<prefix><step>_gda`` (each process writes its own shards) and process 0
-    commits the main file once every process has finished; in a single process this is
-    :func:`save_checkpoint`. ``gda_manager`` is accepted and ignored."""
-    from ..multiprocess import save_checkpoint_multiprocess as _mp_save
+    """flax's multi-process save: every process calls it, with the same arguments, in the
+    same order. Arrays sharded across processes go to ``<prefix><step>_gda`` (each
+    process writes the shards it holds, each distinct shard once) and process 0 commits
+    the main file once every process has reported; in a single process this is
+    :func:`save_checkpoint`. A process that fails, dies or does not report within
+    ``timeout`` seconds means no commit, and every surviving process raises
+    :class:`~atomicstore.CoordinationError`. ``gda_manager`` is accepted and ignored.
+    Returns the main file's path."""
+    session = Session.begin(f"save_checkpoint_multiprocess of step {step!r}", check_timeout(timeout))
+    if session is None:  # one process holds every array whole
+        return save_checkpoint(ckpt_dir, target, step, prefix, keep, overwrite, keep_every_n_steps,
+                               async_manager, orbax_checkpointer, storage_options=storage_options)
+    try:
+        if orbax_checkpointer is not None:
+            raise InvalidArgumentError("orbax_checkpointer is not supported: atomicstore writes flax's legacy format")
+        if async_manager is not None and not isinstance(async_manager, AsyncManager):
+            raise InvalidArgumentError("async_manager must be an atomicstore.compat.flax.AsyncManager")
+        check_retention(prefix, keep, keep_every_n_steps)
+        step = check_step(step)
+        ckpt_dir = safe_normpath(_fspath(ckpt_dir))
+        name = f"{prefix}{step}"
+        path = _join(ckpt_dir, name)
+        start = time.monotonic()
+        if async_manager:
+            async_manager.wait_previous_save()
+        st = _store(ckpt_dir, storage_options, prefix if session.main else None)
+        state, leaves, arrays = split_tree(target)
+        shards = local_shards(leaves, arrays, to_host=async_manager is not None)  # the device-to-host snapshot
+        if session.main and async_manager:
+            state = snapshot_tree(state, True)
+    except BaseException as exc:
+        session.fail(exc)
+        raise
 
-    return _mp_save(ckpt_dir, target, step, prefix=prefix, keep=keep, overwrite=overwrite,
-                    keep_every_n_steps=keep_every_n_steps, async_manager=async_manager,
-                    orbax_checkpointer=orbax_checkpointer, storage_options=storage_options)
+    def task() -> None:
+        session.restart_clock()
+        save_gda(session, st, prefix, name, state, leaves, shards, overwrite,
+                 after=lambda: _remove_invalid(st, name, prefix, keep, overwrite, keep_every_n_steps))
+        record_event(WRITE_EVENT, time.monotonic() - start)
+
+    if async_manager:
+        async_manager.save_async(task)
+    else:
+        task()
+    return path
+
+
+def gda_file(n: int, start: tuple[int, ...]) -> str:
+    """The file of the shard at ``start`` of the ``n``-th sharded array, in ``_gda``."""
+    return f"a{n}/" + ("_".join(map(str, start)) or "0") + ".bin"
+
+
+def save_gda(session: Session, st: Store, prefix: str, name: str, state: Any, leaves: list[ShardedLeaf],
+             shards: list[Any], overwrite: bool, after: Callable[[], None] | None = None) -> None:
+    """The flax layout of a coordinated save: the shards and ``arrays.json`` are one
+    checkpoint ``<name>_gda``; once it is committed process 0 commits the main file
+    ``<name>`` (the step's commit point), in which each sharded array is flax's
+    placeholder naming the ``_gda`` attempt."""
+    gda = name + MP_ARRAY_POSTFIX
+
+    def begin() -> Transaction:
+        _check_newer(st, prefix, name, st.driver.describe(name), name[len(prefix):], overwrite)
+        try:
+            return st.transaction(gda, overwrite=overwrite)
+        except CommitConflictError:
+            raise CommitConflictError(
+                f"step {name} is being saved (or was saved) by another job: {gda} is committed. "
+                "If a crashed save left it without its main file, recovery removes it after "
+                "its grace period; pass overwrite=True to replace it",
+                name=gda,
+            ) from None
+
+    def finish(txn: Transaction, by_array: dict[int, list[Shard]], can_commit: Callable[[], None]) -> None:
+        meta = {"format": ARRAYS_FORMAT, "arrays": [
+            {"key": leaf.key, "dtype": leaf.dtype.name, "shape": list(leaf.shape),
+             "shards": [{"file": s.file, "start": list(s.start), "shape": list(s.shape), "crc32c": s.crc32c,
+                         "blocks": list(s.blocks or []), "block": s.block} for s in by_array[leaf.n]]}
+            for leaf in leaves]}
+        txn.write_bytes(ARRAYS_FILE, json.dumps(meta).encode())
+        txn.commit(check=can_commit)
+        can_commit()
+        bound = rebuild(state, lambda _p, v: f"{MP_ARRAY_PH}{v.key}@{txn.attempt}" if isinstance(v, ShardedLeaf) else v)
+        with st.one_file(name, overwrite=overwrite) as f:  # the commit point of the step
+            StateWriter(bound, sort_keys=False).write(f)
+
+    coordinated_save(session, st.driver, leaves, shards, begin=begin, finish=finish, name=gda_file, after=after)
 
 
 # -- listing and restoring -------------------------------------------------------------------
@@ -386,7 +483,7 @@ def restore_checkpoint(
     ckpt_dir = safe_normpath(_fspath(ckpt_dir))
     start = time.monotonic()
     if step is not None:
-        step = _check_step(step)
+        step = check_step(step)
         path = _join(ckpt_dir, f"{prefix}{step}")
         if _kind(path, storage_options) is None:
             raise InvalidArgumentError(f"Matching checkpoint not found: {path}")
@@ -409,13 +506,104 @@ def restore_checkpoint(
         raise InvalidArgumentError(f"{path} is an Orbax checkpoint: restore it with Orbax "
                                    "(flax writes Orbax unless flax_use_orbax_checkpointing is False)")
     log.info("restoring legacy flax checkpoint from %s", path)
-    from ..multiprocess import has_placeholders, restore_placeholders
-
-    out = _restore(f"{st.url}/{name}", target, store=st)
+    out = restore_tree(f"{st.url}/{name}", target, store=st)
     if has_placeholders(out):
         out = restore_placeholders(st, name, out, target, allow_partial=allow_partial_mpa_restoration)
-    _record(READ_EVENT, time.monotonic() - start)
+    record_event(READ_EVENT, time.monotonic() - start)
     return out
+
+
+# -- arrays of the _gda layout ------------------------------------------------------------------
+def has_placeholders(tree: Any) -> bool:
+    """Does a restored main file hold flax placeholders of sharded arrays?"""
+    return any(isinstance(v, str) and v.startswith(MP_ARRAY_PH) for _, v in walk_leaves(tree))
+
+
+_BOUND = re.compile(r"(?s)(.*)@(\d{8}T\d{6}-[0-9a-f]{12})")
+
+
+def _parse_placeholder(leaf: str) -> tuple[str, str | None]:
+    """(array key, ``_gda`` attempt or None for files written before attempts were named)."""
+    body = leaf[len(MP_ARRAY_PH):]
+    m = _BOUND.fullmatch(body)
+    return (m.group(1), m.group(2)) if m else (body, None)
+
+
+def _count(n: Any) -> int:
+    if type(n) is not int or not 0 <= n < 2**62:
+        raise ValueError(f"bad dimension {n!r}")
+    return n
+
+
+def gda_arrays(st: Store, name: str, threads: int) -> tuple[Any, dict[str, ShardReader]]:
+    """(the ``_gda`` checkpoint of step ``name``, a reader per array key), every length
+    and checksum in ``arrays.json`` checked before anything is allocated."""
+    gda = name + MP_ARRAY_POSTFIX
+    try:
+        ckpt = st.open(gda)
+    except NotFoundError:
+        raise CorruptionError(f"{st.driver.describe(name)} has sharded arrays but {gda} is not committed",
+                              path=gda) from None
+    where = ckpt.where(ARRAYS_FILE)
+    files = ckpt.files
+    readers = {}
+    try:
+        meta = json.loads(ckpt.read_bytes(ARRAYS_FILE))
+        if meta["format"] != ARRAYS_FORMAT:
+            raise ValueError(f"format {meta['format']!r}")
+        for a in meta["arrays"]:
+            key = a["key"]
+            if not isinstance(key, str):
+                raise ValueError("array key is not a string")
+            dt = parse_dtype(a["dtype"], path=ARRAYS_FILE, leaf=key, where=where)
+            shape = tuple(_count(n) for n in a["shape"])
+            shards = []
+            for sh in a["shards"]:
+                blocks = sh.get("blocks")
+                if blocks is not None and (not isinstance(blocks, list) or "crc32c" not in sh):
+                    raise ValueError(f"shard {sh.get('file')!r}: bad block checksums")
+                shards.append(Shard(sh["file"], tuple(_count(n) for n in sh["start"]),
+                                    tuple(_count(n) for n in sh["shape"]), sh.get("crc32c"),
+                                    tuple(blocks) if blocks is not None else None,
+                                    _count(sh.get("block", 1)) or 1))
+            check_shards(shards, shape, dt.itemsize, lambda f: files[f].size if f in files else None)
+            if any(s.blocks is not None and any(type(c) is not int or not 0 <= c < 2**32 for c in s.blocks)
+                   for s in shards):
+                raise ValueError("bad block checksums")
+            readers[key] = ShardReader(ckpt, key, dt, shape, shards, threads)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise CorruptionError(f"{where}: unreadable array index: {exc}", path=ARRAYS_FILE) from None
+    return ckpt, readers
+
+
+def restore_placeholders(st: Store, name: str, tree: Any, target: Any, *, allow_partial: bool = False,
+                         threads: int = 8) -> Any:
+    """Replace each placeholder in ``tree`` (restored from main file ``name``) by its
+    array: on the target's sharding where the target has a ``jax.Array`` or
+    ``jax.ShapeDtypeStruct`` with a sharding there (each process reads only the byte
+    ranges its devices need), else as a full numpy array."""
+    ckpt, readers = gda_arrays(st, name, threads)
+    targets = dict(walk_leaves(target)) if target is not None else {}
+    str_targets = {tuple(str(k) for k in p): v for p, v in targets.items()}
+
+    def fill(path: Path, leaf: Any) -> Any:
+        if not (isinstance(leaf, str) and leaf.startswith(MP_ARRAY_PH)):
+            return leaf
+        key, attempt = _parse_placeholder(leaf)
+        if attempt is not None and attempt != ckpt.manifest.attempt:
+            raise CorruptionError(
+                f"{st.driver.describe(name)} was saved with the arrays of attempt {attempt}, but "
+                f"{name}{MP_ARRAY_POSTFIX} holds attempt {ckpt.manifest.attempt} (another "
+                "job replaced them): refusing to mix two saves", path=name, leaf=key)
+        reader = readers.get(key)
+        if reader is None:
+            raise CorruptionError(f"{ckpt.where(ARRAYS_FILE)}: no array {key!r}", path=ARRAYS_FILE, leaf=key)
+        t: Any = str_targets.get(tuple(str(k) for k in path))
+        if getattr(t, "sharding", None) is None and target is not None and t is None and allow_partial:
+            return leaf
+        return restore_array(reader, t)
+
+    return rebuild(tree, fill)
 
 
 __all__ = [
@@ -431,4 +619,6 @@ __all__ = [
     "safe_normpath",
     "save_checkpoint",
     "save_checkpoint_multiprocess",
+    "restore_placeholders",
+    "has_placeholders",
 ]

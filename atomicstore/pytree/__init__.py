@@ -1,8 +1,19 @@
 """Pytree layer: save/restore JAX and numpy trees through the commit layer.
 
 The only layer that imports numpy (and jax, lazily, when a tree holds jax objects).
+
+* :mod:`.format`: file names, the index and its parser (no I/O);
+* :mod:`.writer`: :func:`save`, streaming a tree into a transaction;
+* :mod:`.reader`: :func:`restore`, reading the leaves asked for;
+* :mod:`.sharded`: arrays sharded across processes (shard files, region reads);
+* :mod:`.coordination`: the processes of a ``jax.distributed`` job agreeing on a save;
+* :mod:`.tree`, :mod:`.msgpack_io`, :mod:`.dtypes`: helpers below them.
 """
 
-from .api import INDEX_FILE, STATE_FILE, restore, save, split_url
+from .coordination import DEFAULT_TIMEOUT, Session, multihost
+from .format import INDEX_FILE, STATE_FILE, split_url
+from .reader import restore
+from .writer import PreparedSave, StateWriter, save
 
-__all__ = ["INDEX_FILE", "STATE_FILE", "restore", "save", "split_url"]
+__all__ = ["DEFAULT_TIMEOUT", "INDEX_FILE", "STATE_FILE", "PreparedSave", "Session", "StateWriter", "multihost",
+           "restore", "save", "split_url"]

@@ -7,11 +7,14 @@ FrozenDict...) is opened one level at a time with ``jax.tree_util`` key paths.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+
+from ..errors import InvalidArgumentError
 
 Key = str | int | bytes
 Path = tuple[Key, ...]
@@ -122,3 +125,44 @@ def walk_leaves(node: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
 def path_str(path: Path) -> str:
     """A readable form of a key path (for messages and string selectors)."""
     return "/".join(k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k) for k in path) or "<root>"
+
+
+def per_leaf_fn(fns: Any, what: str) -> Callable[[Path, Any], Any] | None:
+    """A per-leaf function from a callable(path, leaf) or a mapping path-string -> fn."""
+    if fns is None:
+        return None
+    if callable(fns):
+        return fns
+    if isinstance(fns, Mapping):
+        table = dict(fns)
+
+        def apply(path: Path, leaf: Any) -> Any:
+            fn = table.get(path_str(path), table.get(path))  # type: ignore[call-overload]
+            return fn(leaf) if fn is not None else leaf
+
+        return apply
+    raise InvalidArgumentError(f"{what} must be a callable(path, leaf) or a mapping of key path to callable")
+
+
+def snapshot_tree(tree: Any, copy_numpy: bool) -> Any:
+    """A copy of ``tree`` that later mutation of the caller's arrays cannot change: jax
+    arrays are copied to host (all transfers started first), numpy arrays copied unless
+    the caller promised not to mutate them."""
+    started = []
+
+    def start(path: Any, leaf: Any) -> Any:
+        if is_jax_array(leaf) and getattr(leaf, "is_fully_addressable", True):
+            leaf.copy_to_host_async()
+            started.append(leaf)
+        return leaf
+
+    rebuild(tree, start)
+
+    def take(path: Any, leaf: Any) -> Any:
+        if is_jax_array(leaf) and getattr(leaf, "is_fully_addressable", True):
+            return np.asarray(leaf)
+        if isinstance(leaf, np.ndarray):
+            return leaf.copy() if copy_numpy else leaf
+        return copy.deepcopy(leaf) if isinstance(leaf, dict | list) else leaf
+
+    return rebuild(tree, take)

@@ -1,0 +1,320 @@
+"""Multi-host saves: the processes of one ``jax.distributed`` job agree through JAX's own
+coordination service (its key-value store), never through storage.
+
+Every collective call (a save, a delete, picking the step to restore) opens a
+:class:`Session`. Sessions are numbered by a counter every process draws in the same
+order, as the first thing the call does (before any argument is checked), so the
+processes agree on the session even when one of them fails early or saves are issued
+back to back; a process that fails publishes its error in the session, so the others
+learn of it at once instead of at the timeout.
+
+A coordinated save (:func:`coordinated_save`), keys under ``atomicstore/<n>/``:
+
+1. process 0 runs its checks and opens the transaction (which takes the lease), then
+   publishes the ``plan``: the attempt's prefix and the sharded arrays it expects (or the
+   error that refused the save);
+2. every process writes its shards under the prefix (durable before it reports) and
+   publishes its ``report/<i>``: files, sizes, CRC32C (or its error);
+3. process 0 waits for every report, adopts the files, writes what it writes (the state
+   and the index), and commits, checking right before the commit point that its deadline
+   has not passed and that no process gave up waiting; then it publishes the ``outcome``.
+
+A process that dies or hangs is noticed when the timeout runs out: nothing is committed
+and every surviving process raises :class:`~atomicstore.CoordinationError`. A process
+that gives up waiting for the outcome publishes ``abandon/<i>`` first, which stops a late
+process 0 from committing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..commit import Transaction
+from ..drivers import Driver
+from ..errors import CoordinationError, InvalidArgumentError
+from .format import Shard
+from .sharded import LocalShard, ShardedLeaf, assemble, write_shards
+
+log = logging.getLogger("atomicstore.coordination")
+
+DEFAULT_TIMEOUT = 300.0
+_seq = itertools.count()
+_seq_lock = threading.Lock()
+
+
+def distributed_client() -> Any:
+    """JAX's distributed runtime client, or None (jax not imported, or
+    ``jax.distributed.initialize`` not called). Never initialises a backend."""
+    if "jax" not in sys.modules:
+        return None
+    try:
+        from jax._src import distributed
+    except ImportError:  # pragma: no cover - a jax without it
+        return None
+    return distributed.global_state.client
+
+
+def process_index_count() -> tuple[int, int]:
+    """(this process's index, the number of processes) of the ``jax.distributed`` job,
+    (0, 1) outside one."""
+    if distributed_client() is None:
+        return 0, 1
+    import jax
+
+    return jax.process_index(), jax.process_count()
+
+
+def multihost() -> bool:
+    """Is this process one of several of a ``jax.distributed`` job?"""
+    return process_index_count()[1] > 1
+
+
+def check_timeout(timeout: Any) -> float:
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+        raise InvalidArgumentError("timeout must be a positive number of seconds")
+    return float(timeout)
+
+
+def _why(exc: BaseException) -> str:
+    msg = str(exc).strip()
+    return f"{type(exc).__name__}: {msg.splitlines()[0] if msg else ''}"
+
+
+class Session:
+    """One collective call, as seen by one process. ``index``/``count`` are the process's
+    index and the number of processes; ``what`` names the call (every process must make
+    the same one)."""
+
+    def __init__(self, what: str, timeout: float, *, client: Any = None, index: int = 0, count: int = 1,
+                 seq: int | None = None) -> None:
+        if seq is None:  # first: every process draws it, whatever fails next
+            with _seq_lock:
+                seq = next(_seq)
+        self.seq = seq
+        self.what, self.timeout = what, check_timeout(timeout)
+        self.client, self.index, self.count = client, index, count
+        self.ns = f"atomicstore/{seq}"
+        self.deadline = time.monotonic() + self.timeout
+        self._sent: set[str] = set()
+        if count > 1 and client is None:
+            raise InvalidArgumentError("several JAX processes but no jax.distributed client: "
+                                       "call jax.distributed.initialize() first")
+        if count > 1 and index == 0 and seq >= 2:
+            try:  # every process has finished session seq - 2 once all reported in seq - 1
+                client.key_value_delete(f"atomicstore/{seq - 2}")
+            except Exception:  # noqa: BLE001 - tidiness only
+                pass
+
+    @classmethod
+    def begin(cls, what: str, timeout: float = DEFAULT_TIMEOUT) -> Session | None:
+        """A session of the ``jax.distributed`` job this process is part of, or None in a
+        single-process job. Call it first, before anything that may fail."""
+        client = distributed_client()
+        if client is None:
+            return None
+        import jax
+
+        if jax.process_count() == 1:
+            return None
+        return cls(what, timeout, client=client, index=jax.process_index(), count=jax.process_count())
+
+    @property
+    def main(self) -> bool:
+        return self.index == 0
+
+    def restart_clock(self) -> None:
+        """Count the timeout from now (an async save starts its work later than its call)."""
+        self.deadline = time.monotonic() + self.timeout
+
+    # -- messages ------------------------------------------------------------------------
+    def put(self, key: str, value: Any) -> None:
+        if key in self._sent:
+            return
+        self._sent.add(key)
+        if self.count > 1:
+            self.client.key_value_set(f"{self.ns}/{key}", json.dumps(value))
+
+    def get(self, key: str, who: str, *, margin: float = 0.0) -> Any:
+        """The value ``who`` publishes as ``key``, waiting until the deadline (+ ``margin``)."""
+        ms = max(1, int((self.deadline + margin - time.monotonic()) * 1000))
+        try:
+            return json.loads(self.client.blocking_key_value_get(f"{self.ns}/{key}", ms))
+        except Exception as exc:  # noqa: BLE001 - jax raises its runtime's error type
+            raise CoordinationError(
+                f"{self.what}: {who} did not report within {self.timeout:.0f}s (it died, hung or is not "
+                f"making the same call): {_why(exc)}"
+            ) from None
+
+    def error(self, exc: BaseException) -> dict:
+        return {"error": _why(exc), "process": self.index}
+
+    def fail(self, exc: BaseException) -> None:
+        """Tell the others this process failed (what it owes them, as an error)."""
+        err = self.error(exc)
+        try:
+            if self.main:
+                self.put("plan", err)
+                self.put("outcome", err)
+            else:
+                self.put(f"report/{self.index}", err)
+        except Exception as pub:  # noqa: BLE001 - the others will time out instead
+            log.warning("could not publish the failure of %s: %s", self.what, pub)
+
+    def abandon(self) -> None:
+        """This process stops waiting: a late process 0 must not commit."""
+        try:
+            self.put(f"abandon/{self.index}", True)
+        except Exception:  # noqa: BLE001 - best effort; the deadline check remains
+            pass
+
+    def check_can_commit(self) -> None:
+        """Right before the commit point (process 0): the deadline has not passed and no
+        process gave up waiting."""
+        if time.monotonic() > self.deadline:
+            raise CoordinationError(f"{self.what}: the timeout of {self.timeout:.0f}s ran out before the "
+                                    "commit; not committing (the other processes may have given up)")
+        if self.count > 1:
+            try:
+                gone = self.client.key_value_dir_get(f"{self.ns}/abandon/")
+            except Exception as exc:  # noqa: BLE001
+                raise CoordinationError(f"{self.what}: cannot reach the coordination service: {_why(exc)}") from None
+            if gone:
+                raise CoordinationError(f"{self.what}: process(es) {sorted(k.rsplit('/', 1)[-1] for k, _ in gone)} "
+                                        "gave up waiting; not committing")
+
+    # -- one process decides, every process learns ---------------------------------------
+    def decide(self, fn: Callable[[], Any]) -> Any:
+        """Process 0 runs ``fn`` and publishes its (JSON) result; every process returns it.
+        An error of process 0 raises there and, as :class:`CoordinationError`, everywhere."""
+        if self.main:
+            try:
+                value = fn()
+            except BaseException as exc:
+                self.put("outcome", self.error(exc))
+                raise
+            self.put("outcome", {"value": value})
+            return value
+        out = self.get("outcome", "process 0")
+        if "error" in out:
+            raise CoordinationError(f"{self.what} failed in process 0: {out['error']}")
+        return out["value"]
+
+
+def coordinated_save(
+    session: Session,
+    driver: Driver,
+    leaves: list[ShardedLeaf],
+    shards: list[LocalShard],
+    *,
+    begin: Callable[[], Transaction],
+    finish: Callable[[Transaction, dict[int, list[Shard]], Callable[[], None]], Any],
+    name: Callable[[int, tuple[int, ...]], str],
+    after: Callable[[], None] | None = None,
+    threads: int = 8,
+) -> Any:
+    """Run one multi-host save (see the module docstring). Process 0 calls ``begin()`` to
+    check and open the transaction, then ``finish(txn, shards_by_array, check)``, which
+    writes the rest and commits, calling ``check()`` right before the commit point;
+    returns what ``finish`` returns; the other processes return the published outcome
+    (``{"ok", "attempt", "manifest"}``). ``name(n, start)`` names shard files. ``after()``
+    (process 0: retention) runs after the commit and before the outcome is published, so
+    that every process sees its effect once the call returns; its error is raised in
+    process 0 only (the save is committed)."""
+    if session.main:
+        return _main(session, driver, leaves, shards, begin, finish, name, after, threads)
+    return _other(session, leaves, shards, driver, name, threads)
+
+
+def _main(session: Session, driver: Driver, leaves: list[ShardedLeaf], shards: list[LocalShard],
+          begin: Callable[[], Transaction], finish: Callable[..., Any], name: Callable[..., str],
+          after: Callable[[], None] | None, threads: int) -> Any:
+    txn = None
+    try:
+        txn = begin()
+        session.put("plan", {"what": session.what, "prefix": txn.prefix, "attempt": txn.attempt,
+                             "leaves": [leaf.describe() for leaf in leaves]})
+        reports = [{"files": write_shards(driver, txn.prefix, shards, name, threads)}]
+        for i in range(1, session.count):
+            reports.append(session.get(f"report/{i}", f"process {i}"))
+        for i, rep in enumerate(reports):
+            if "error" in rep:
+                raise CoordinationError(f"{session.what}: process {i} failed: {rep['error']}")
+        try:
+            by_array = assemble([f for rep in reports for f in rep["files"]], leaves)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CoordinationError(f"{session.what}: malformed report: {exc}") from None
+        for rep in reports:
+            for f in rep["files"]:
+                txn.adopt(f["file"], f["size"], f["crc32c"])
+        out = finish(txn, by_array, session.check_can_commit)
+    except BaseException as exc:
+        if txn is not None and not txn.committed:
+            txn.abort()
+        session.fail(exc)
+        raise
+    late: BaseException | None = None
+    if after is not None:
+        try:
+            after()
+        except Exception as exc:  # noqa: BLE001 - committed: raised here after the others are told
+            late = exc
+    man = txn.manifest
+    session.put("outcome", {"ok": True, "attempt": txn.attempt,
+                            "manifest": man.to_bytes().decode() if man is not None else None})
+    if late is not None:
+        raise late
+    return out
+
+
+def _other(session: Session, leaves: list[ShardedLeaf], shards: list[LocalShard], driver: Driver,
+           name: Callable[..., str], threads: int) -> dict:
+    try:
+        plan = session.get("plan", "process 0")
+        if "error" in plan:
+            raise CoordinationError(f"{session.what}: process 0 refused the save: {plan['error']}")
+        if plan.get("what") != session.what:
+            raise CoordinationError(f"process 0 is making another call ({plan.get('what')}) than this "
+                                    f"process ({session.what}): every process must make the same calls "
+                                    "in the same order")
+        mine = [leaf.describe() for leaf in leaves]
+        if plan["leaves"] != mine:
+            raise InvalidArgumentError(
+                f"{session.what}: process {session.index} holds other sharded arrays than process 0 "
+                f"(here {[m[1] for m in mine]}, there {[p[1] for p in plan['leaves']]}; an array on the "
+                "devices of one process only is seen whole there and sharded elsewhere: place it on "
+                "every process's devices or fetch it to host first)")
+        files = write_shards(driver, plan["prefix"], shards, name, threads)
+    except BaseException as exc:
+        session.fail(exc)
+        raise
+    session.put(f"report/{session.index}", {"files": files})
+    try:
+        # a little longer than process 0, which gives up at its own deadline
+        outcome = session.get("outcome", "process 0", margin=min(30.0, 0.25 * session.timeout))
+    except CoordinationError as exc:
+        session.abandon()
+        raise CoordinationError(f"{exc}; whether the save committed is unknown until process 0 is back "
+                                "(this process published that it gave up, so process 0 will not commit "
+                                "after reading it)") from None
+    if not outcome.get("ok"):
+        raise CoordinationError(f"{session.what} was not committed: process {outcome.get('process', 0)} "
+                                f"failed: {outcome.get('error')}")
+    return outcome
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Session",
+    "check_timeout",
+    "coordinated_save",
+    "distributed_client",
+    "multihost",
+    "process_index_count",
+]

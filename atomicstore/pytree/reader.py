@@ -1,0 +1,443 @@
+"""Reading a pytree: :func:`restore`.
+
+Only the leaves asked for are read (by the target, a subtree, or all), from byte ranges
+the index (:mod:`.format`) gives, several at once, each checked against its CRC32C.
+Small leaves are read in coalesced batches. Arrays sharded across processes are read
+from their shard files (:mod:`.sharded`): onto the target's sharding each process reads
+only the byte ranges its devices hold, else the whole array as numpy. Legacy flax files
+(no index) are scanned first.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ..commit import Store, open_store
+from ..commit.manifest import crc32c, crc32c_slices
+from ..commit.store import Checkpoint
+from ..errors import AtomicStoreError, CorruptionError, InvalidArgumentError, NotFoundError
+from .dtypes import parse_dtype
+from .format import (
+    EXT_COMPLEX,
+    EXT_NPSCALAR,
+    INDEX_FILE,
+    INDEX_FORMAT,
+    STATE_FILE,
+    Index,
+    Leaf,
+    bytes_view,
+    index_of_msgpack,
+    parse_index,
+    split_url,
+)
+from .sharded import ShardReader, restore_array
+from .tree import Path, is_jax_array, path_str, per_leaf_fn, rebuild
+
+#: leaves smaller than this are read in coalesced batches
+SMALL_LEAF = 1 << 20
+BATCH_BYTES = 8 << 20
+Selector = str | Sequence[Any] | None
+
+
+# -- restoring -------------------------------------------------------------------------------
+def _select(sel: Selector) -> Path | None:
+    if sel is None:
+        return None
+    if isinstance(sel, str):
+        return tuple(p for p in sel.split("/") if p)
+    if isinstance(sel, Sequence):
+        return tuple(sel)
+    raise InvalidArgumentError("subtree must be a 'a/b' string or a sequence of keys")
+
+
+def _match(path: Path, want: Path) -> bool:
+    """Does ``path`` (from the file) equal ``want`` (from the caller), comparing keys as
+    strings where the file's types differ (flax writes every key as a string)?"""
+    if len(path) != len(want):
+        return False
+    return all(a == b or str(a) == str(b) for a, b in zip(path, want, strict=True))
+
+
+class _Reader:
+    """Reads selected leaves of one state file, in parallel, into fresh arrays."""
+
+    def __init__(self, read_into: Callable[[int, memoryview], None], where: str, threads: int) -> None:
+        self.read_into, self.where, self.threads = read_into, where, threads
+
+    def _check(self, leaf: Leaf, data: memoryview, crc: int | None, part: int) -> None:
+        if crc is not None and crc32c(data) != crc:
+            raise CorruptionError(
+                f"{self.where}: leaf {path_str(leaf.path)}"
+                + (f" (chunk {part})" if leaf.kind == "ndc" else "")
+                + " fails its CRC32C check",
+                path=STATE_FILE,
+                leaf=path_str(leaf.path),
+            )
+
+    def _fetch(self, off: int, mv: memoryview, leaf: Leaf) -> None:
+        try:
+            self.read_into(off, mv)
+        except CorruptionError as exc:
+            raise CorruptionError(f"{self.where}: leaf {path_str(leaf.path)}: {exc}",
+                                  path=STATE_FILE, leaf=path_str(leaf.path)) from None
+
+    def read(self, leaves: list[Leaf]) -> dict[Path, Any]:
+        out: dict[Path, Any] = {}
+        jobs: list[Callable[[], None]] = []
+        batch: list[Leaf] = []
+
+        def run_batch(group: list[Leaf]) -> Callable[[], None]:
+            start = group[0].ranges[0][0]
+            end = max(r[0] + r[1] for lf in group for r in lf.ranges)
+
+            def job() -> None:
+                buf = bytearray(end - start)
+                try:
+                    self.read_into(start, memoryview(buf))
+                except CorruptionError:
+                    for lf in group:  # find the leaf the damage is in
+                        off, n, _ = lf.ranges[0]
+                        self._fetch(off, memoryview(buf)[off - start : off - start + n], lf)
+                    raise
+                spans = [(lf.ranges[0][0] - start, lf.ranges[0][1]) for lf in group]
+                crcs = crc32c_slices(buf, spans)
+                base = np.frombuffer(buf, dtype=np.uint8)
+                for lf, (rel, n), got in zip(group, spans, crcs, strict=True):
+                    want = lf.ranges[0][2]
+                    if want is not None and got != want:
+                        self._check(lf, memoryview(buf)[rel : rel + n], want, 0)
+                    if lf.kind == "py":
+                        out[lf.path] = self._decode(lf, memoryview(buf)[rel : rel + n])
+                        continue
+                    assert lf.dtype is not None
+                    arr = base[rel : rel + n].view(lf.dtype).reshape(lf.shape)
+                    if not arr.flags.aligned:
+                        arr = arr.copy()
+                    out[lf.path] = arr[()] if lf.kind == "sc" else arr
+
+            return job
+
+        def big(lf: Leaf) -> Callable[[], None]:
+            def job() -> None:
+                assert lf.dtype is not None
+                arr = np.empty(lf.shape, lf.dtype)
+                flat = bytes_view(arr)
+                pos = 0
+                for i, (off, n, crc) in enumerate(lf.ranges):
+                    self._fetch(off, flat[pos : pos + n], lf)
+                    self._check(lf, flat[pos : pos + n], crc, i)
+                    pos += n
+                out[lf.path] = arr[()] if lf.kind == "sc" else arr
+
+            return job
+
+        for lf in sorted(leaves, key=lambda lf: lf.ranges[0][0] if lf.ranges else -1):
+            if lf.kind == "lit":
+                out[lf.path] = lf.value
+            elif lf.kind in ("nd", "ndc") and lf.nbytes >= SMALL_LEAF:
+                jobs.append(big(lf))
+            else:
+                if batch and (lf.ranges[0][0] - (batch[-1].ranges[0][0] + batch[-1].ranges[0][1]) > 65536
+                              or lf.ranges[0][0] + lf.ranges[0][1] - batch[0].ranges[0][0] > BATCH_BYTES):
+                    jobs.append(run_batch(batch))
+                    batch = []
+                batch.append(lf)
+        if batch:
+            jobs.append(run_batch(batch))
+        if len(jobs) <= 1 or self.threads <= 1:
+            for j in jobs:
+                j()
+        else:
+            with concurrent.futures.ThreadPoolExecutor(min(self.threads, len(jobs))) as pool:
+                for fut in [pool.submit(j) for j in jobs]:
+                    fut.result()
+        return out
+
+    def _decode(self, lf: Leaf, view: memoryview) -> Any:
+        if lf.kind == "py":
+            try:
+                return msgpack.unpackb(bytes(view), raw=False, ext_hook=_complex_hook, max_bin_len=view.nbytes)
+            except (ValueError, msgpack.ExtraData, msgpack.FormatError, TypeError) as exc:
+                raise CorruptionError(f"{self.where}: leaf {path_str(lf.path)} cannot be decoded ({exc})",
+                                      path=STATE_FILE, leaf=path_str(lf.path)) from None
+        assert lf.dtype is not None
+        arr = np.frombuffer(view, dtype=lf.dtype).reshape(lf.shape).copy()
+        return arr[()] if lf.kind == "sc" else arr
+
+
+def _complex_hook(code: int, data: bytes) -> Any:
+    if code == EXT_COMPLEX:
+        pair = msgpack.unpackb(data)
+        return complex(pair[0], pair[1])
+    raise ValueError(f"unexpected ext type {code}")
+
+
+def _build(idx: Index, values: dict[Path, Any], root: Path) -> Any:
+    """Plain containers (dict/list/tuple) from the index, below ``root``."""
+    n = len(root)
+    made: dict[Path, Any] = {}
+    kinds: dict[Path, str] = {}
+    result: Any = None
+    for is_leaf, p in idx.order:
+        if p[:n] != root:
+            continue
+        if is_leaf:
+            v = values[p]
+        else:
+            kind = idx.containers[p]
+            v = None if kind == "none" else {}
+            if kind != "none":
+                made[p] = v
+                kinds[p] = kind
+        if p == root:
+            result = v
+        else:
+            parent = made.get(p[:-1])
+            if parent is not None:
+                parent[p[-1]] = v
+    # lists and tuples were collected as dicts keyed by position
+    for p in sorted(made, key=len, reverse=True):
+        kind = kinds[p]
+        if kind in ("list", "tuple"):
+            d = made[p]
+            seq = [d[k] for k in sorted(d, key=lambda k: int(k))]
+            conv: Any = seq if kind == "list" else tuple(seq)
+            if p == root:
+                result = conv
+            else:
+                made[p[:-1]][p[-1]] = conv
+    return result
+
+
+#: states up to this size may be restored by one verified read and msgpack's C decoder
+FAST_RESTORE_BYTES = 64 << 20
+_NO_FAST_PATH = object()
+
+
+def _fast_ext(code: int, data: bytes) -> Any:
+    if code == EXT_COMPLEX:
+        pair = msgpack.unpackb(data)
+        return complex(pair[0], pair[1])
+    shape, name, buf = msgpack.unpackb(data, raw=False)
+    dt = parse_dtype(name, path=STATE_FILE, leaf="?")  # any error: the indexed path names the leaf
+    arr = np.frombuffer(buf, dtype=dt).reshape(shape).copy()
+    return arr[()] if code == EXT_NPSCALAR else arr
+
+
+def _restore_whole(ckpt: Checkpoint, raw_index: bytes, state_size: int) -> Any:
+    """Small states of many leaves: read the whole state once (its CRC32C checked against
+    the manifest), decode it with msgpack's C decoder as flax does, then give lists and
+    tuples back their type from the index. Anything unexpected falls back to the indexed
+    path, which names the damaged leaf."""
+    try:
+        doc = msgpack.unpackb(raw_index, raw=False, strict_map_key=False, max_ext_len=0)
+        if not (isinstance(doc, dict) and doc.get("format") == INDEX_FORMAT and doc.get("str_keys") is True
+                and doc.get("state_size") == state_size and isinstance(doc.get("nodes"), list)):
+            return _NO_FAST_PATH
+        if any(n[0] == 1 and n[2] == "sh" for n in doc["nodes"]):
+            return _NO_FAST_PATH  # sharded arrays are not in the state file
+        shaped = [(n[1], n[2]) for n in doc["nodes"] if n[0] == 0 and n[2] in ("list", "tuple")]
+        value = msgpack.unpackb(ckpt.read_bytes(STATE_FILE), raw=False, strict_map_key=False,
+                                ext_hook=_fast_ext)
+        for path, kind in sorted(shaped, key=lambda pk: len(pk[0]), reverse=True):
+            parent, node = None, value
+            for k in path:
+                parent, node = node, node[k]
+            seq = [node[str(i)] for i in range(len(node))]
+            conv = seq if kind == "list" else tuple(seq)
+            if parent is None:
+                value = conv
+            else:
+                parent[path[-1]] = conv
+        return value
+    except (AtomicStoreError, ValueError, TypeError, KeyError, IndexError, msgpack.ExtraData,
+            msgpack.FormatError, msgpack.StackError):
+        return _NO_FAST_PATH
+
+
+def _open_checkpoint(url_or_path: Any, store: Store | None, storage_options: dict) -> tuple[Checkpoint | None, Any]:
+    root, name = split_url(url_or_path)
+    st = store or open_store(root, **storage_options)
+    try:
+        return st.open(name), st
+    except NotFoundError:
+        # not one of ours: maybe a legacy flax checkpoint file
+        if st.driver.exists(name):
+            return None, (st, name)
+        raise
+
+
+def restore(
+    url_or_path: str | os.PathLike[str],
+    target: Any = None,
+    *,
+    subtree: Selector = None,
+    allow_missing: bool = False,
+    shard_fns: Any = None,
+    threads: int = 8,
+    store: Store | None = None,
+    **storage_options: Any,
+) -> Any:
+    """Restore the checkpoint at ``<store>/<name>`` (ours, or a legacy flax msgpack file).
+
+    Args:
+        target: ``None`` returns plain containers (dicts, lists, tuples as saved); a pytree
+            returns that structure and types (dataclasses, namedtuples, registered nodes),
+            reading only the leaves it names. A target that is a subtree of the checkpoint
+            restores just that.
+        subtree: a key-path prefix (``"params/dense"`` or ``("params", "dense")``): only
+            leaves below it are read, and the subtree is returned (the target, if given,
+            describes the subtree).
+        allow_missing: with a target, fill leaves the checkpoint lacks from the target
+            instead of raising :class:`~atomicstore.NotFoundError`.
+        shard_fns: per-leaf function(s) applied after reading (e.g. ``jax.device_put`` with
+            a sharding): a callable ``(path, array) -> value`` or a mapping
+            ``"a/b/c" -> fn(array)``.
+        threads: parallel reads.
+
+    Raises :class:`~atomicstore.CorruptionError` naming the file and leaf for damaged data.
+    """
+    if not isinstance(threads, int) or threads < 1:
+        raise InvalidArgumentError("threads must be a positive int")
+    if not isinstance(allow_missing, bool):
+        raise InvalidArgumentError("allow_missing must be a bool")
+    post = per_leaf_fn(shard_fns, "shard_fns")
+    root = _select(subtree) or ()
+    ckpt, st = _open_checkpoint(url_or_path, store, storage_options)
+    if ckpt is not None:
+        where = ckpt.where(STATE_FILE)
+        if STATE_FILE not in ckpt.files or INDEX_FILE not in ckpt.files:
+            raise CorruptionError(f"{ckpt.where('')}: not a pytree checkpoint (no {STATE_FILE}/{INDEX_FILE})")
+        state_size = ckpt.files[STATE_FILE].size
+        raw_index = ckpt.read_bytes(INDEX_FILE)
+        if target is None and not root and post is None and state_size <= FAST_RESTORE_BYTES:
+            fast = _restore_whole(ckpt, raw_index, state_size)
+            if fast is not _NO_FAST_PATH:
+                return fast
+        files = ckpt.files
+        idx = parse_index(raw_index, state_size, ckpt.where(INDEX_FILE),
+                          sizes=lambda f: files[f].size if f in files else None)
+
+        def read_into(off: int, mv: memoryview) -> None:
+            ckpt.read_range_into(STATE_FILE, off, mv)
+    else:
+        store_, name = st
+        drv = store_.driver
+        where = drv.describe(name)
+        size = drv.info(name).size
+
+        def read_into(off: int, mv: memoryview) -> None:
+            if off + mv.nbytes > size:
+                raise CorruptionError(f"{where}: read past the end", path=where)
+            if mv.nbytes and drv.read_into(name, off, mv) != mv.nbytes:
+                raise CorruptionError(f"{where}: short read at byte {off}", path=where)
+
+        def read(a: int, b: int) -> bytes:
+            buf = bytearray(b - a)
+            read_into(a, memoryview(buf))
+            return bytes(buf)
+
+        idx = index_of_msgpack(read, size, where)
+
+    reader = _Reader(read_into, where, threads)
+    if target is None:
+        if root and root not in idx.containers and root not in idx.leaves:
+            # flax writes every key as a string
+            cand = [p for p in [*idx.containers, *idx.leaves] if _match(p, root)]
+            if not cand:
+                raise NotFoundError(f"{where}: no subtree {path_str(root)}")
+            root = cand[0]
+        wanted = [lf for p, lf in idx.leaves.items() if p[: len(root)] == root]
+        values = reader.read([lf for lf in wanted if lf.kind != "sh"])
+        for lf in wanted:
+            if lf.kind == "sh":  # as numpy, whole
+                values[lf.path] = restore_array(_shard_reader(ckpt, lf, threads), None)
+        if post is not None:
+            values = {p: post(p[len(root):], v) for p, v in values.items()}
+        return _build(idx, values, root)
+
+    # with a target: its leaves name what to read
+    by_str = {tuple(str(k) for k in p): lf for p, lf in idx.leaves.items()}
+    containers_str = {tuple(str(k) for k in p) for p in idx.containers}
+    missing: list[str] = []
+    plan: dict[Path, Leaf | None] = {}
+
+    def note(path: Path, leaf: Any) -> Any:
+        full = (*root, *path)
+        lf = idx.leaves.get(full) or by_str.get(tuple(str(k) for k in full))
+        if lf is None:
+            if leaf is None and tuple(str(k) for k in full) in containers_str:
+                plan[path] = None
+                return leaf
+            missing.append(path_str(full))
+        plan[path] = lf
+        return leaf
+
+    targets: dict[Path, Any] = {}
+
+    def note_target(path: Path, leaf: Any) -> Any:
+        targets[path] = note(path, leaf)
+        return leaf
+
+    rebuild(target, note_target)
+    if missing and not allow_missing:
+        raise NotFoundError(
+            f"{where}: the checkpoint lacks {len(missing)} key(s) the target has: "
+            + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
+            + " (pass allow_missing=True to keep the target's values)"
+        )
+    leaves = [lf for lf in plan.values() if lf is not None]
+    values = reader.read([lf for lf in leaves if lf.kind != "sh"])
+    for path, found in plan.items():
+        if found is not None and found.kind == "sh":  # onto the target's sharding, if it has one
+            values[found.path] = restore_array(_shard_reader(ckpt, found, threads),
+                                               targets.get(path) if post is None else None)
+
+    def fill(path: Path, leaf: Any) -> Any:
+        lf = plan.get(path)
+        if lf is None:
+            return leaf
+        v = values[lf.path]
+        if isinstance(v, np.ndarray) and post is None and (is_jax_array(leaf) or _has_sharding(leaf)):
+            v = _onto(v, leaf)
+        elif isinstance(leaf, np.ndarray) and isinstance(v, np.ndarray) and leaf.dtype != v.dtype:
+            raise CorruptionError(f"{where}: leaf {path_str(lf.path)} is {v.dtype}, the target has {leaf.dtype}",
+                                  path=STATE_FILE, leaf=path_str(lf.path))
+        return post(path, v) if post is not None else v
+
+    return rebuild(target, fill)
+
+
+
+
+def _has_sharding(leaf: Any) -> bool:
+    """A ``jax.ShapeDtypeStruct`` (or array) naming where the value goes."""
+    return getattr(leaf, "sharding", None) is not None and hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+
+
+def _onto(v: np.ndarray, leaf: Any) -> Any:
+    """``v`` (read whole) placed like ``leaf``."""
+    import jax
+
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        return jax.numpy.asarray(v)
+    if not sharding.is_fully_addressable:  # every process read it whole: each keeps its part
+        return jax.make_array_from_callback(v.shape, sharding, lambda idx: v[idx])
+    # v was just read into a buffer nobody else holds: the device may use it as is
+    return jax.device_put(v, sharding, may_alias=True)
+
+
+def _shard_reader(ckpt: Checkpoint | None, lf: Leaf, threads: int) -> ShardReader:
+    assert ckpt is not None and lf.dtype is not None
+    return ShardReader(ckpt, path_str(lf.path), lf.dtype, lf.shape, list(lf.value), threads)
+
+
+
+__all__ = ["restore"]

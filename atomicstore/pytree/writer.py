@@ -1,0 +1,427 @@
+"""Writing a pytree: :func:`save` and :class:`StateWriter`.
+
+The state is streamed leaf after leaf in flax's msgpack format straight from each
+array's buffer (no bytes object of the whole state, no second copy), while the index
+(:mod:`.format`) is recorded. In a multi-host ``jax.distributed`` job every process calls
+:func:`save`: arrays sharded across processes are written as shard files by the
+processes holding them, coordinated by :mod:`.coordination`, and process 0 writes the
+rest and commits once every process has reported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import msgpack
+import numpy as np
+
+from ..commit import Manifest, Store, Transaction, open_store
+from ..commit.manifest import crc32c
+from ..errors import InvalidArgumentError
+from . import msgpack_io as mp
+from .coordination import DEFAULT_TIMEOUT, Session, check_timeout, coordinated_save
+from .format import (
+    EXT_COMPLEX,
+    EXT_NDARRAY,
+    EXT_NPSCALAR,
+    FLAX_MAX_CHUNK,
+    INDEX_FILE,
+    INDEX_FORMAT,
+    SHARD_BLOCK,
+    SHARDED_PH,
+    STATE_FILE,
+    Shard,
+    bytes_view,
+    shard_file,
+    split_url,
+)
+from .sharded import LocalShard, ShardedLeaf, local_shards, split_tree
+from .tree import Path, children, is_jax_array, path_str, per_leaf_fn, snapshot_tree, walk_leaves
+
+#: leaves smaller than this are buffered before they are written
+SMALL_LEAF = 1 << 20
+
+
+# -- saving --------------------------------------------------------------------------------
+class _Emitter:
+    """Appends msgpack bytes to a transaction file: small pieces buffered, array data
+    written straight from its buffer with its CRC32C already known."""
+
+    def __init__(self, f: Any, progress: Callable[[int], None] | None) -> None:
+        self.f, self.buf, self.flushed, self.progress = f, bytearray(), 0, progress
+        self.pack = msgpack.Packer(use_bin_type=True, strict_types=True).pack
+
+    @property
+    def offset(self) -> int:
+        """Bytes emitted so far (flushed + buffered)."""
+        return self.flushed + len(self.buf)
+
+    def small(self, b: bytes) -> None:
+        self.buf += b
+        if len(self.buf) >= SMALL_LEAF:
+            self.flush()
+
+    def big(self, mv: memoryview, crc: int) -> None:
+        self.flush()
+        self.f.write(mv, crc32c=crc)
+        self.flushed += mv.nbytes
+        if self.progress:
+            self.progress(self.flushed)
+
+    def flush(self) -> None:
+        if self.buf:
+            self.f.write(self.buf)
+            self.flushed += len(self.buf)
+            self.buf = bytearray()
+
+
+@dataclass
+class _SaveOptions:
+    cast_dtype: Any
+    gather: Callable[[Path, Any], Any] | None
+    sort_keys: bool = True
+
+
+def _to_numpy(path: Path, x: Any, opts: _SaveOptions) -> Any:
+    if type(x) is np.ndarray and opts.gather is None and opts.cast_dtype is None:
+        return x
+    if opts.gather is not None:
+        x = opts.gather(path, x)
+    if is_jax_array(x):
+        if not getattr(x, "is_fully_addressable", True):
+            raise InvalidArgumentError(
+                f"leaf {path_str(path)} is a jax.Array sharded across processes, but this "
+                "process is not part of a jax.distributed job (call jax.distributed.initialize)"
+            )
+        x = np.asarray(x)
+    if opts.cast_dtype is not None and isinstance(x, np.ndarray | np.generic) and np.issubdtype(x.dtype, np.floating):
+        x = np.asarray(x).astype(opts.cast_dtype) if isinstance(x, np.ndarray) else x.astype(opts.cast_dtype)
+    return x
+
+
+_HEADS: dict[tuple[Any, tuple[int, ...], int], tuple[bytes, str]] = {}
+
+
+def _array_head(arr: np.ndarray, code: int) -> tuple[bytes, str]:
+    """(ext header + ndarray tuple header up to the data, dtype name), cached per dtype
+    and shape: leaves of one model share a handful of them."""
+    key = (arr.dtype, arr.shape, code)
+    hit = _HEADS.get(key)
+    if hit is None:
+        name = arr.dtype.name
+        head = mp.array_header(3) + mp.pack(list(arr.shape)) + mp.pack(name) + mp.bin_header(arr.nbytes)
+        hit = (mp.ext_header(code, len(head) + arr.nbytes) + head, name)
+        if len(_HEADS) < 4096:
+            _HEADS[key] = hit
+    return hit
+
+
+def _ndarray_ext(em: _Emitter, arr: np.ndarray, code: int) -> tuple[int, int, int, str]:
+    """Write ``arr`` as flax's ndarray ext; return (data offset, nbytes, crc32c, dtype name)."""
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)  # (keeps 0-d arrays 0-d, unlike calling it always)
+    head, name = _array_head(arr, code)
+    em.small(head)
+    off = em.offset
+    if arr.nbytes < 65536:
+        raw = arr.tobytes()
+        em.small(raw)
+        return off, len(raw), google_crc32c.value(raw), name
+    data = bytes_view(arr)
+    crc = crc32c(data)
+    em.big(data, crc)
+    return off, arr.nbytes, crc, name
+
+
+def _check_array(path: Path, arr: np.ndarray) -> None:
+    if arr.dtype.hasobject or arr.dtype.fields is not None:
+        raise InvalidArgumentError(f"leaf {path_str(path)}: object and structured dtypes cannot be saved ({arr.dtype})")
+
+
+def _write_node(em: _Emitter, node: Any, path: Path, index: list, opts: _SaveOptions, depth: int) -> None:
+    if depth > mp.MAX_DEPTH:
+        raise InvalidArgumentError(f"tree deeper than {mp.MAX_DEPTH} levels at {path_str(path)}")
+    kids = children(node, opts.sort_keys)
+    if kids is not None and kids[0] != "none":
+        kind, items = kids
+        keys = set()
+        for k, _ in items:
+            if not isinstance(k, str | int | bytes):
+                raise InvalidArgumentError(f"key {k!r} under {path_str(path)} must be str, int or bytes")
+            sk = k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k)
+            if sk in keys:
+                raise InvalidArgumentError(f"keys under {path_str(path)} collide as strings: {sk!r}")
+            keys.add(sk)
+        index.append([0, list(path), kind])
+        em.small(mp.map_header(len(items)))
+        plain = opts.gather is None and opts.cast_dtype is None
+        lpath = list(path)
+        pack, crc_of, heads, ndarray = em.pack, google_crc32c.value, _HEADS, np.ndarray
+        for k, child in items:
+            kb = pack(k if type(k) is str else k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k))
+            if plain and type(child) is ndarray and child.nbytes < 65536 and child.flags.c_contiguous \
+                    and not child.dtype.hasobject and child.dtype.fields is None:
+                # the common case of many small arrays, inlined: straight into the buffer
+                hit = heads.get((child.dtype, child.shape, EXT_NDARRAY)) or _array_head(child, EXT_NDARRAY)
+                raw = child.tobytes()
+                buf = em.buf
+                buf += kb
+                buf += hit[0]
+                off = em.flushed + len(buf)
+                buf += raw
+                index.append([1, [*lpath, k], "nd", hit[1], list(child.shape), off, len(raw), crc_of(raw)])
+                if len(buf) >= SMALL_LEAF:
+                    em.flush()
+                continue
+            em.small(kb)
+            _write_node(em, child, (*path, k), index, opts, depth + 1)
+        return
+    if isinstance(node, ShardedLeaf):  # its bytes are in shard files; the index lists them
+        index.append([1, list(path), "sh", node.dtype.name, list(node.shape), node])
+        em.small(mp.pack(SHARDED_PH + node.key))
+        return
+    if node is None:
+        index.append([0, list(path), "none"])
+        em.small(b"\xc0")
+        return
+    x = _to_numpy(path, node, opts)
+    if isinstance(x, np.ndarray):
+        _check_array(path, x)
+        if x.nbytes > FLAX_MAX_CHUNK:
+            _write_chunked(em, x, path, index)
+            return
+        off, n, crc, name = _ndarray_ext(em, x, EXT_NDARRAY)
+        index.append([1, list(path), "nd", name, list(x.shape), off, n, crc])
+    elif isinstance(x, np.generic):
+        arr = np.asarray(x)
+        _check_array(path, arr)
+        off, n, crc, name = _ndarray_ext(em, arr, EXT_NPSCALAR)
+        index.append([1, list(path), "sc", name, [], off, n, crc])
+    elif isinstance(x, complex):
+        payload = msgpack.packb((x.real, x.imag))  # as flax packs it
+        blob = mp.ext_header(EXT_COMPLEX, len(payload)) + payload
+        index.append([1, list(path), "py", None, None, em.offset, len(blob), crc32c(blob)])
+        em.small(blob)
+    elif isinstance(x, bool | int | float | str | bytes):
+        try:
+            blob = mp.pack(x)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"leaf {path_str(path)} cannot be encoded: {exc}") from None
+        index.append([1, list(path), "py", None, None, em.offset, len(blob), crc32c(blob)])
+        em.small(blob)
+    else:
+        raise InvalidArgumentError(
+            f"leaf {path_str(path)} has unsupported type {type(node).__name__}: use arrays, numbers, "
+            "str, bytes, None, or containers registered as jax pytree nodes"
+        )
+
+
+def _write_chunked(em: _Emitter, arr: np.ndarray, path: Path, index: list) -> None:
+    """flax's chunked-array convention for arrays over 1 GiB."""
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    per = max(1, FLAX_MAX_CHUNK // arr.dtype.itemsize)
+    starts = list(range(0, flat.size, per))
+    em.small(mp.map_header(3) + mp.pack("__msgpack_chunked_array__") + mp.pack(True) + mp.pack("shape"))
+    em.small(mp.map_header(arr.ndim) + b"".join(mp.pack(str(i)) + mp.pack(d) for i, d in enumerate(arr.shape)))
+    em.small(mp.pack("chunks") + mp.map_header(len(starts)))
+    chunks = []
+    for i, s in enumerate(starts):
+        em.small(mp.pack(str(i)))
+        off, n, crc, _ = _ndarray_ext(em, flat[s : s + per], EXT_NDARRAY)
+        chunks.append([off, n, crc])
+    index.append([1, list(path), "ndc", arr.dtype.name, list(arr.shape), chunks])
+
+
+def _progress_printer(total: int) -> Callable[[int], None]:
+    start = time.monotonic()
+    tty = sys.stderr.isatty()
+
+    def show(done: int) -> None:
+        if tty:
+            rate = done / max(1e-9, time.monotonic() - start) / 2**20
+            print(f"\rsaving {done / 2**20:,.0f}/{total / 2**20:,.0f} MiB ({rate:,.0f} MiB/s)", end="", file=sys.stderr)
+
+    return show
+
+
+class StateWriter:
+    """Streams ``tree`` in flax's msgpack format into a file-like object with
+    ``write(data, crc32c=None)``, recording the index as it goes. Arguments as for
+    :func:`save`; validated here, before anything is written. ``sort_keys=False`` keeps
+    dicts in insertion order, byte-identical to flax's ``to_bytes``/``save_checkpoint``
+    (the default matches ``msgpack_serialize``, which sorts them like jax)."""
+
+    def __init__(self, tree: Any, *, cast_dtype: Any = None, gather_fns: Any = None,
+                 progress: bool | Callable[[int], None] = False, sort_keys: bool = True) -> None:
+        if cast_dtype is not None:
+            try:
+                cast_dtype = np.dtype(cast_dtype)
+            except TypeError as exc:
+                raise InvalidArgumentError(f"cast_dtype: {exc}") from None
+        self.tree = tree
+        self.opts = _SaveOptions(cast_dtype, per_leaf_fn(gather_fns, "gather_fns"), sort_keys)
+        self.index: list = []
+        self.show: Callable[[int], None] | None = None
+        self._printer = False
+        if callable(progress):
+            self.show = progress
+        elif progress:
+            total = sum(getattr(leaf, "nbytes", 0) for _, leaf in walk_leaves(tree))
+            self.show, self._printer = _progress_printer(total), True
+
+    def write(self, f: Any) -> int:
+        """Write the state; return its size in bytes."""
+        em = _Emitter(f, self.show)
+        _write_node(em, self.tree, (), self.index, self.opts, 0)
+        em.flush()
+        return em.offset
+
+    def done(self) -> None:
+        if self._printer and sys.stderr.isatty():
+            print(file=sys.stderr)
+
+
+def _sharded_nodes(index: list, shards: dict[int, list[Shard]]) -> list:
+    """The index with each sharded array's placeholder replaced by its shard list."""
+    return [[*n[:5], [s.to_index() for s in shards[n[5].n]]] if n[0] == 1 and n[2] == "sh" else n
+            for n in index]
+
+
+class PreparedSave:
+    """A tree made ready to be saved by :meth:`run`, possibly in another thread.
+
+    Arguments are checked here. In a multi-host job (``session``), the arrays sharded
+    across processes are split out and this process's shards picked (each distinct shard
+    once, by the process holding ``replica_id`` 0); only process 0 writes the rest. With
+    ``snapshot`` (an async save), later changes to the caller's arrays cannot reach the
+    checkpoint: jax arrays and this process's shards are copied to host now (all
+    transfers started first), numpy arrays copied unless ``copy=False``.
+    """
+
+    def __init__(self, tree: Any, *, cast_dtype: Any = None, gather_fns: Any = None,
+                 progress: bool | Callable[[int], None] = False, sort_keys: bool = True,
+                 session: Session | None = None, snapshot: bool = False, copy: bool = True) -> None:
+        if cast_dtype is not None:
+            try:
+                cast_dtype = np.dtype(cast_dtype)
+            except TypeError as exc:
+                raise InvalidArgumentError(f"cast_dtype: {exc}") from None
+        self.session = session
+        self.leaves: list[ShardedLeaf] = []
+        self.shards: list[LocalShard] = []
+        gather = gather_fns
+        if session is not None:
+            tree, self.leaves, arrays = split_tree(tree, cast_dtype=cast_dtype,
+                                                   gather=per_leaf_fn(gather_fns, "gather_fns"))
+            self.shards = local_shards(self.leaves, arrays, to_host=snapshot)
+            gather = None  # applied by split_tree
+        self.writer: StateWriter | None = None
+        if session is None or session.main:
+            if snapshot:
+                tree = snapshot_tree(tree, copy)
+            self.writer = StateWriter(tree, cast_dtype=cast_dtype, gather_fns=gather, progress=progress,
+                                      sort_keys=sort_keys)
+
+    def write_state(self, txn: Transaction, shards: dict[int, list[Shard]]) -> None:
+        """Write ``state.msgpack`` and ``index.msgpack`` into ``txn`` (the shard files of
+        sharded arrays, ``shards``, are already in it)."""
+        assert self.writer is not None
+        with txn.open(STATE_FILE) as f:
+            state_size = self.writer.write(f)
+        nodes = _sharded_nodes(self.writer.index, shards)
+        str_keys = all(type(k) is str for node in nodes for k in node[1])
+        doc: dict[str, Any] = {"format": INDEX_FORMAT, "state_size": state_size, "str_keys": str_keys,
+                               "nodes": nodes}
+        if shards:
+            doc["shard_block"] = SHARD_BLOCK
+        txn.write_bytes(INDEX_FILE, msgpack.packb(doc, use_bin_type=True))
+
+    def run(self, st: Store, name: str, *, overwrite: bool = False, metadata: dict[str, Any] | None = None,
+            after: Callable[[], None] | None = None) -> Manifest:
+        """Write and commit checkpoint ``name`` of ``st``; the committed manifest. In a
+        multi-host job every process calls it and gets the manifest once the checkpoint
+        is committed. ``after()`` (retention) runs once committed, in process 0, before
+        the others return."""
+        s = self.session
+        if s is None:
+            with st.transaction(name, metadata=metadata, overwrite=overwrite) as txn:
+                self.write_state(txn, {})
+            assert self.writer is not None and txn.manifest is not None
+            self.writer.done()
+            if after is not None:
+                after()
+            return txn.manifest
+        s.restart_clock()
+
+        def begin() -> Transaction:
+            return st.transaction(name, metadata=metadata, overwrite=overwrite)
+
+        def finish(txn: Transaction, shards: dict[int, list[Shard]], can_commit: Callable[[], None]) -> Any:
+            self.write_state(txn, shards)
+            return txn.commit(check=can_commit)
+
+        out = coordinated_save(s, st.driver, self.leaves, self.shards, begin=begin, finish=finish,
+                               name=shard_file, after=after)
+        if isinstance(out, Manifest):
+            return out
+        return Manifest.from_bytes(out["manifest"].encode(), where=st.driver.describe(name))
+
+
+def save(
+    url_or_path: str | os.PathLike[str],
+    tree: Any,
+    *,
+    overwrite: bool = False,
+    metadata: dict[str, Any] | None = None,
+    cast_dtype: Any = None,
+    gather_fns: Any = None,
+    progress: bool | Callable[[int], None] = False,
+    store: Store | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    **storage_options: Any,
+) -> Manifest:
+    """Save ``tree`` atomically as checkpoint ``<store>/<name>``; returns its manifest.
+
+    Leaves are streamed one after another straight from their buffers: no bytes object of
+    the whole state and no second copy of it exist; extra memory is one write buffer plus
+    a device-to-host copy of one ``jax.Array`` leaf at a time.
+
+    In a multi-host ``jax.distributed`` job, every process calls it with the same
+    arguments: each writes the shards it holds of the arrays sharded across processes
+    (each distinct shard once), process 0 writes everything else and commits once every
+    process has reported. A process that fails, dies or does not report within
+    ``timeout`` seconds means no commit, and every surviving process raises
+    :class:`~atomicstore.CoordinationError`.
+
+    Args:
+        url_or_path: ``<store root>/<checkpoint name>`` (local path or URL).
+        tree: a pytree of arrays (numpy, ml_dtypes, jax, sharded or not), Python scalars,
+            str, bytes, None, in dicts/lists/tuples/namedtuples/registered nodes.
+        overwrite: replace an existing checkpoint of that name atomically.
+        metadata: JSON metadata stored in the manifest.
+        cast_dtype: cast floating-point leaves to this dtype (e.g. ``"bfloat16"``).
+        gather_fns: per-leaf function(s) applied before writing: a callable
+            ``(path, leaf) -> leaf`` or a mapping ``"a/b/c" -> fn(leaf)``.
+        progress: True for a progress line on stderr (when it is a terminal), or a
+            callable receiving the bytes written so far.
+        store: an already opened :class:`Store` whose root is ``<store root>``.
+        timeout: multi-host only: seconds to wait for the other processes.
+        **storage_options: passed to :func:`open_store`.
+    """
+    session = Session.begin(f"save of {os.fspath(url_or_path) if isinstance(url_or_path, os.PathLike | str) else '?'}",
+                            check_timeout(timeout))
+    try:
+        root, name = split_url(url_or_path)
+        job = PreparedSave(tree, cast_dtype=cast_dtype, gather_fns=gather_fns, progress=progress, session=session)
+        st = store or open_store(root, **storage_options)
+    except BaseException as exc:
+        if session is not None:
+            session.fail(exc)
+        raise
+    return job.run(st, name, overwrite=overwrite, metadata=metadata)
