@@ -47,6 +47,7 @@ log = logging.getLogger("atomicstore.coordination")
 DEFAULT_TIMEOUT = 300.0
 _seq = itertools.count()
 _seq_lock = threading.Lock()
+_cleared = 0  # process 0: sessions below this number have had their keys deleted
 
 
 def distributed_client() -> Any:
@@ -106,11 +107,6 @@ class Session:
         if count > 1 and client is None:
             raise InvalidArgumentError("several JAX processes but no jax.distributed client: "
                                        "call jax.distributed.initialize() first")
-        if count > 1 and index == 0 and seq >= 2:
-            try:  # every process has finished session seq - 2 once all reported in seq - 1
-                client.key_value_delete(f"atomicstore/{seq - 2}")
-            except Exception:  # noqa: BLE001 - tidiness only
-                pass
 
     @classmethod
     def begin(cls, what: str, timeout: float = DEFAULT_TIMEOUT) -> Session | None:
@@ -173,6 +169,19 @@ class Session:
             self.put(f"abandon/{self.index}", True)
         except Exception:  # noqa: BLE001 - best effort; the deadline check remains
             pass
+
+    def forget_earlier(self) -> None:
+        """Process 0, once every process reported in this session: each process makes its
+        calls one after another, so every process is done with all earlier sessions and
+        their keys can go (the coordination service keeps them in memory otherwise)."""
+        global _cleared
+        with _seq_lock:
+            first, _cleared = _cleared, max(_cleared, self.seq)
+        for n in range(first, self.seq):
+            try:
+                self.client.key_value_delete(f"atomicstore/{n}")
+            except Exception:  # noqa: BLE001 - tidiness only
+                break
 
     def check_can_commit(self) -> None:
         """Right before the commit point (process 0): the deadline has not passed and no
@@ -243,6 +252,8 @@ def _main(session: Session, driver: Driver, leaves: list[ShardedLeaf], shards: l
         reports = [{"files": write_shards(driver, txn.prefix, shards, name, threads)}]
         for i in range(1, session.count):
             reports.append(session.get(f"report/{i}", f"process {i}"))
+        if session.count > 1:
+            session.forget_earlier()
         for i, rep in enumerate(reports):
             if "error" in rep:
                 raise CoordinationError(f"{session.what}: process {i} failed: {rep['error']}")
