@@ -59,13 +59,14 @@ def validate_path(path: object, *, what: str = "file path", allow_reserved: bool
     return path
 
 
-_FLOAT = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)")
+#: a signed decimal or float embedded in a name (flax's ``SIGNED_FLOAT_RE``)
+FLOAT_RE = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)")
 
 
 def natural_key(name: str) -> tuple:
     """Sort key that orders embedded numbers by value (``1e1`` after ``9``, ``-0.2``
     before ``0.1``), as flax's ``natural_sort`` does."""
-    parts = _FLOAT.split(name)
+    parts = FLOAT_RE.split(name)
     key: list[tuple[int, float | str]] = []
     for i, p in enumerate(parts):
         if i % 2:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..commit import Store, Transaction, open_store
+from ..commit.names import FLOAT_RE
 from ..errors import (
     CommitConflictError,
     CorruptionError,
@@ -54,7 +55,7 @@ from ..pytree.tree import Path, rebuild, snapshot_tree, walk_leaves
 
 log = logging.getLogger("atomicstore.compat.flax")
 
-SIGNED_FLOAT_RE = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)")
+SIGNED_FLOAT_RE = FLOAT_RE
 UNSIGNED_FLOAT_RE = re.compile(r"[-+]?((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)")  # sign is a separator
 MODULE_NUM_RE = re.compile(r"(.*)_\d+$")
 SCHEME_RE = re.compile("^(?P<scheme>[a-z][a-z0-9.+-]+://)?(?P<path>.*)", re.I)

@@ -1,0 +1,108 @@
+"""The package's layering, checked from the source: imports point one way.
+
+drivers <- commit <- pytree <- manager <- compat (and the cli/demo on top). Nothing
+imports ``compat``; no module imports a private name of another module; the module
+import graph (including imports inside functions) has no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "atomicstore"
+LAYER = {"drivers": 0, "retry": 0, "errors": 0, "commit": 1, "pytree": 2, "manager": 3, "compat": 4,
+         "testing": 4, "cli": 5, "demo": 5, "__main__": 6, "__init__": 6}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        rel = p.relative_to(PKG.parent).with_suffix("")
+        name = ".".join(rel.parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, list[str]]]:
+    """(imported module, names imported from it) for every import in ``path``."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):  # imports for type checkers only do not run
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            names = [a.name for a in node.names]
+            for n in names:  # "from . import x" imports module x
+                if f"{mod}.{n}" in known:
+                    found.append((f"{mod}.{n}", []))
+            found.append((mod, names))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names]
+    return [(m, ns) for m, ns in found if m in known]
+
+
+def graph() -> dict[str, list[tuple[str, list[str]]]]:
+    mods = modules()
+    return {n: imports(n, p, set(mods)) for n, p in mods.items()}
+
+
+def layer(mod: str) -> int:
+    parts = mod.split(".")
+    return LAYER[parts[1]] if len(parts) > 1 else LAYER["__init__"]
+
+
+def test_nothing_imports_compat_and_imports_point_down():
+    for mod, deps in graph().items():
+        for dep, _ in deps:
+            if dep == "atomicstore" or mod.split(".")[1:2] == dep.split(".")[1:2]:
+                continue  # the package root (for __version__) and siblings in one layer
+            if ".compat" in dep:
+                assert ".compat" in mod, f"{mod} imports {dep}"
+            assert layer(dep) <= layer(mod), f"{mod} (layer {layer(mod)}) imports {dep} (layer {layer(dep)})"
+
+
+def test_no_module_imports_a_private_name_of_another():
+    for mod, deps in graph().items():
+        for dep, names in deps:
+            private = [n for n in names if n.startswith("_") and n != "__version__"]
+            assert not private, f"{mod} imports private {private} from {dep}"
+
+
+def test_no_import_cycle():
+    g = {m: {d for d, _ in deps if d != m and d != "atomicstore"} for m, deps in graph().items()}
+    # a package imports its submodules from __init__; only cycles between modules count
+    g = {m: {d for d in ds if not m.startswith(d + ".") and not d.startswith(m + ".")} for m, ds in g.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(g.get(m, ())):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m)
+    assert len(state) > 30  # the whole package was walked
+
+
+def test_the_pytree_layer_has_one_module_per_concern():
+    names = {p.stem for p in (PKG / "pytree").glob("*.py")}
+    assert {"format", "writer", "reader", "sharded", "coordination"} <= names
+    assert "api" not in names
+    assert not (PKG / "multiprocess.py").exists()
