@@ -101,9 +101,9 @@ def _size(n: int) -> str:
 
 
 def _step(name: str) -> str | None:
-    from .compat.flax import SIGNED_FLOAT_RE
+    from .commit.names import FLOAT_RE
 
-    m = SIGNED_FLOAT_RE.findall(name)
+    m = FLOAT_RE.findall(name)
     return m[-1] if m and name.endswith(m[-1]) else None
 
 
@@ -364,8 +364,11 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
                 continue
             n = len(lf["shards"])
             print(f"{line}  sharded, {n} shard{'s' if n != 1 else ''}:")
-            for s in lf["shards"][:SHOW_SHARDS]:
-                print(f"      {s['file']}  {_span(s['start'], s['shape'])}  {_size(s['bytes'])}")
+            shown = lf["shards"][:SHOW_SHARDS]
+            fw = max(len(s["file"]) for s in shown) if shown else 0
+            sw = max(len(_span(s["start"], s["shape"])) for s in shown) if shown else 0
+            for s in shown:
+                print(f"      {s['file']:{fw}}  {_span(s['start'], s['shape']):{sw}}  {_size(s['bytes'])}")
             if n > SHOW_SHARDS:
                 print(f"      ... and {n - SHOW_SHARDS} more (--json lists them all)")
         if meta:

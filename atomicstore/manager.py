@@ -192,7 +192,7 @@ class CheckpointManager:
         """Save ``tree`` as ``step``, with optional named JSON ``items`` (e.g. a data
         iterator's position or a config) committed together with it. Raises an earlier
         background save's error first."""
-        session = Session.begin(f"save of step {step!r} in {self.store.url}", self.timeout)
+        session = Session.begin(f"save of step {step} in {self.store.url}", self.timeout)
         try:  # (the session is drawn first: every process draws it, whatever fails next)
             self._check_open()
             self._raise_pending_error()
@@ -235,6 +235,7 @@ class CheckpointManager:
         self._slots.acquire()
         self.wait_until_finished(_raise=False)  # saves are ordered
         try:
+            self._raise_pending_error()  # the previous save failed while this one waited
             gens = self._generations(newer) if overwrite else {}
         except BaseException as exc:
             self._slots.release()
@@ -365,7 +366,7 @@ class CheckpointManager:
 
     def delete(self, step: Step) -> None:
         """Delete ``step`` (in a multi-host job: every process calls it, process 0 deletes)."""
-        session = Session.begin(f"delete of step {step!r} in {self.store.url}", self.timeout)
+        session = Session.begin(f"delete of step {step} in {self.store.url}", self.timeout)
         name = self._name(check_step(step))
         if session is None:
             self.store.delete(name)

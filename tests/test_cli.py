@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import make_backend
+from test_sharded_format import GRID, Sharded, W, build
 
 import atomicstore
 from atomicstore.compat import flax as ck
@@ -173,3 +174,91 @@ def test_demo_runs_and_asserts_its_own_success(tmp_path):
 def test_python_dash_m_atomicstore_is_the_command():
     r = subprocess.run([sys.executable, "-m", "atomicstore", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("atomicstore "), r.stderr
+
+
+# -- arrays sharded across processes (checkpoints built by hand, see test_sharded_format) ------
+@pytest.fixture(params=["local", "s3"])
+def sharded(request, tmp_path):
+    b = make_backend(request.param, request, tmp_path)
+    build(b.open(), "ck", {"params": {"w": Sharded(W, GRID), "b": np.ones(3, np.float32)}, "step": 7})
+    return b
+
+
+def test_inspect_shows_sharded_arrays_and_their_files(sharded):
+    b, o = sharded, opts(sharded)
+    ins = json.loads(cli("inspect", f"{b.url}/ck", "--json", *o).stdout)
+    w = next(lf for lf in ins["leaves"] if lf["path"] == "params/w")
+    assert (w["kind"], w["dtype"], w["shape"], w["bytes"]) == ("sh", "float32", [8, 6], 192)
+    assert w["shards"] == [{"file": f"shards/0/{r}_{c}.bin", "start": [r, c], "shape": [4, 3], "bytes": 48}
+                           for r in (0, 4) for c in (0, 3)]
+    assert ins["total_bytes"] == 192 + 12
+    plain = next(lf for lf in ins["leaves"] if lf["path"] == "params/b")
+    assert "shards" not in plain and plain["kind"] == "nd" and plain["bytes"] == 12
+    human = cli("inspect", f"{b.url}/ck", *o).stdout
+    assert "1 sharded across processes" in human
+    line = next(ln for ln in human.splitlines() if "params/w" in ln)
+    assert "float32" in line and "(8, 6)" in line and "192 B" in line and "sharded, 4 shards" in line
+    assert "shards/0/4_3.bin  [4:8, 3:6]  48 B" in human
+
+
+def test_inspect_lists_the_first_shards_of_a_big_sharding(tmp_path):
+    from atomicstore.cli import SHOW_SHARDS
+
+    st = atomicstore.open_store(str(tmp_path / "s"))
+    rows = SHOW_SHARDS + 4
+    build(st, "ck", {"w": Sharded(np.zeros((rows, 2), np.int8), [((r, 0), (1, 2)) for r in range(rows)])})
+    human = cli("inspect", f"{st.url}/ck").stdout
+    assert f"sharded, {rows} shards" in human and "... and 4 more (--json lists them all)" in human
+    assert sum("shards/0/" in ln for ln in human.splitlines()) == SHOW_SHARDS
+    assert len(json.loads(cli("inspect", f"{st.url}/ck", "--json").stdout)["leaves"][0]["shards"]) == rows
+
+
+def _damage(b, file: str, how: str) -> None:
+    st = b.open()
+    prefix, _ = st.strategy.resolve("ck")
+    key = f"{prefix}/{file}"
+    if how == "missing":
+        st.driver.delete(key)
+        return
+    raw = bytearray(st.driver.read(key))
+    if how == "flip":
+        raw[len(raw) // 2] ^= 0x01
+    else:  # truncated
+        del raw[-4:]
+    st.driver.put(key, bytes(raw))
+
+
+@pytest.mark.parametrize("how, why", [("flip", "CRC32C"), ("truncated", "size"), ("missing", "missing")])
+def test_verify_names_a_damaged_shard_file_and_its_leaf(sharded, how, why):
+    b, o = sharded, opts(sharded)
+    assert json.loads(cli("verify", f"{b.url}/ck", "--json", *o).stdout)["ok"]
+    _damage(b, "shards/0/4_3.bin", how)
+    r = cli("verify", f"{b.url}/ck", *o, check=1)
+    assert "CORRUPT  ck: shards/0/4_3.bin, leaf params/w:" in r.stdout and why in r.stdout, r.stdout
+    js = json.loads(cli("verify", b.url, "--json", *o, check=1).stdout)
+    res = js["results"][0]
+    assert not js["ok"] and (res["file"], res["leaf"]) == ("shards/0/4_3.bin", "params/w"), res
+    # inspect reads only the index: it still shows the tree (a missing file is still in the manifest)
+    cli("inspect", f"{b.url}/ck", *o)
+
+
+def test_verify_still_names_a_damaged_state_leaf_next_to_sharded_arrays(sharded):
+    b, o = sharded, opts(sharded)
+    st = b.open()
+    prefix, _ = st.strategy.resolve("ck")
+    raw = bytearray(st.driver.read(f"{prefix}/state.msgpack"))
+    off = raw.rfind(np.ones(3, np.float32).tobytes())  # params/b
+    raw[off] ^= 0xFF
+    st.driver.put(f"{prefix}/state.msgpack", bytes(raw))
+    res = json.loads(cli("verify", f"{b.url}/ck", "--json", *o, check=1).stdout)["results"][0]
+    assert (res["file"], res["leaf"]) == ("state.msgpack", "params/b"), res
+
+
+def test_inspect_and_verify_refuse_an_index_whose_shards_do_not_tile(tmp_path):
+    st = atomicstore.open_store(str(tmp_path / "s"))
+    build(st, "ck", {"params": {"w": Sharded(W, [((0, 0), (4, 6)), ((2, 0), (4, 6))])}})  # rows 2-3 twice
+    r = cli("inspect", f"{st.url}/ck", check=1)
+    assert "index.msgpack" in r.stderr and "overlap" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    # every file matches the manifest, but restore would refuse the checkpoint: verify says so
+    r = cli("verify", f"{st.url}/ck", check=1)
+    assert "CORRUPT  ck: index.msgpack, leaf params/w:" in r.stdout and "overlap" in r.stdout, r.stdout

@@ -343,3 +343,30 @@ def test_overwrite_removes_only_the_newer_steps_it_saw(tmp_path):
     a.wait_until_finished()
     assert a.all_steps() == [5, 6], "a step saved after the overwrite began must not be removed"
     assert b.restore(6)["x"][0] == 2.0 and a.restore(5)["x"][0] == 1.0
+
+
+def test_async_save_raises_the_error_of_the_save_it_waited_for(request, tmp_path):
+    """With one save in flight, the next ``save`` waits for it; if that one fails while
+    it waits, this ``save`` raises its error (and saves nothing) instead of committing and
+    leaving the error to a later call."""
+    from conftest import make_backend
+
+    from atomicstore.testing.faults import FaultPlan, object_key
+
+    def state_of_step_2(env):
+        k = object_key(env) if env.get("REQUEST_METHOD") in ("PUT", "POST") else None
+        return k is not None and "/checkpoint_2/" in k and k.endswith("state.msgpack")
+
+    b = make_backend("s3", request, tmp_path)
+    opts = dict(b.options, retry=atomicstore.RetryPolicy(attempts=2, initial_wait=0.01, max_wait=0.01, deadline=5))
+    b.server.faults(FaultPlan(error_rate=1.0, applies_to=state_of_step_2, stalls=[(state_of_step_2, 0.5)]))
+    mgr = CheckpointManager(b.url, async_save=True, keep=10, storage_options=opts)
+    mgr.save(1, {"x": np.ones(3)})
+    mgr.save(2, {"x": np.ones(3) * 2})  # fails in the background, slowly
+    with pytest.raises(atomicstore.AtomicStoreError, match="background save failed.*checkpoint_2"):
+        mgr.save(3, {"x": np.ones(3) * 3})
+    mgr.wait_until_finished()  # the error was raised once, not again
+    assert mgr.all_steps() == [1]
+    mgr.save(3, {"x": np.ones(3) * 3})
+    mgr.close()
+    assert mgr.all_steps() == [1, 3]

@@ -208,9 +208,12 @@ class Session:
             except BaseException as exc:
                 self.put("outcome", self.error(exc))
                 raise
-            self.put("outcome", {"value": value})
+            self.put("outcome", {"value": value, "what": self.what})
             return value
         out = self.get("outcome", "process 0")
+        if out.get("what", self.what) != self.what:
+            raise CoordinationError(f"process 0 made another call ({out.get('what')}) than this process "
+                                    f"({self.what}): every process must make the same calls in the same order")
         if "error" in out:
             raise CoordinationError(f"{self.what} failed in process 0: {out['error']}")
         return out["value"]
@@ -266,9 +269,9 @@ def _main(session: Session, driver: Driver, leaves: list[ShardedLeaf], shards: l
                 txn.adopt(f["file"], f["size"], f["crc32c"])
         out = finish(txn, by_array, session.check_can_commit)
     except BaseException as exc:
+        session.fail(exc)  # first: the others learn now, not after the clean-up below
         if txn is not None and not txn.committed:
             txn.abort()
-        session.fail(exc)
         raise
     late: BaseException | None = None
     if after is not None:

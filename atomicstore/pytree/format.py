@@ -123,15 +123,36 @@ def check_shards(shards: list[Shard], shape: tuple[int, ...], itemsize: int,
         got += math.prod(s.shape)
     if got != total:
         raise ValueError(f"the shards cover {got} of {total} elements")
-    if len(shards) <= 4096:  # equal sums and no overlap: an exact tiling
-        boxes: list[tuple[tuple[int, ...], tuple[int, ...], str]] = sorted((s.start, s.shape, s.file) for s in shards)
-        for i, (a0, an, af) in enumerate(boxes):
-            for b0, bn, bf in boxes[i + 1:]:
-                if shape and b0[0] >= a0[0] + an[0]:
-                    break  # sorted by the first axis: no later box can overlap
-                if all(x < y + m and y < x + k for x, k, y, m in zip(a0, an, b0, bn, strict=True)) \
-                        and 0 not in an and 0 not in bn:
-                    raise ValueError(f"shards {af} and {bf} overlap")
+    _check_tiling(shards, shape)
+
+
+#: the coverage grid of a sharding may have at most this many cells (a jax sharding's
+#: grid has one cell per shard)
+MAX_GRID_CELLS = 1 << 22
+
+
+def _check_tiling(shards: list[Shard], shape: tuple[int, ...]) -> None:
+    """Every element is covered exactly once: count coverage on the grid the shards'
+    edges cut the array into (as many cells as shards for any jax sharding)."""
+    live = [s for s in shards if 0 not in s.shape]
+    if not shape or not live:
+        if len(live) > 1:
+            raise ValueError("the shards overlap")
+        return
+    cuts = [sorted({0, dim, *(s.start[a] for s in live), *(s.start[a] + s.shape[a] for s in live)})
+            for a, dim in enumerate(shape)]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > max(MAX_GRID_CELLS, 4 * len(live)):
+        raise ValueError(f"the shards do not form a grid ({cells} cells for {len(live)} shards)")
+    cover = np.zeros([len(c) - 1 for c in cuts], np.int32)
+    for s in live:
+        box = tuple(slice(np.searchsorted(c, st), np.searchsorted(c, st + n))
+                    for c, st, n in zip(cuts, s.start, s.shape, strict=True))
+        cover[box] += 1
+    if cover.max(initial=0) > 1:
+        raise ValueError("the shards overlap")
+    if cover.min(initial=1) < 1:
+        raise ValueError("the shards leave a hole")
 
 
 def parse_shards(raw: Any, block: Any) -> list[Shard]:
@@ -247,10 +268,10 @@ def parse_index(raw: bytes, state_size: int, where: str,
             elif kind == "sh":
                 _, _, _, dtn, shp, raw_shards = node
                 dt, shape = parse_dtype(dtn, path=INDEX_FILE, leaf=p, where=where), _shape(shp, where)
-                shards = parse_shards(raw_shards, doc.get("shard_block", SHARD_BLOCK))
-                if sizes is None:
-                    raise ValueError("a sharded array where none is expected")
                 try:
+                    if sizes is None:
+                        raise ValueError("a sharded array where none is expected")
+                    shards = parse_shards(raw_shards, doc.get("shard_block", SHARD_BLOCK))
                     check_shards(shards, shape, dt.itemsize, sizes)
                 except ValueError as exc:
                     raise CorruptionError(f"{where} leaf {path_str(p)}: {exc}", path=INDEX_FILE,
