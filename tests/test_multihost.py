@@ -182,6 +182,16 @@ def shard_write_of(step: int, *suffixes: str):
     return pred
 
 
+def shard_delete_of(step: int):
+    """A fault predicate: a delete of a shard file of ``checkpoint_<step>``."""
+
+    def pred(environ: dict) -> bool:
+        key = object_key(environ) if environ.get("REQUEST_METHOD") == "DELETE" else None
+        return key is not None and f"/checkpoint_{step}/" in key and "/shards/" in key
+
+    return pred
+
+
 def test_async_saves_and_a_background_error_of_one_process_surfaces_everywhere(request, tmp_path):
     url, opts, backend = where("s3", request, tmp_path)
     # process 1 holds rows 32.. and 48.. of params/w: its uploads of step 4 fail (and only them)
@@ -236,7 +246,10 @@ def test_lost_or_hanging_process_commits_nothing_and_every_survivor_raises_in_ti
     margin = min(30.0, T / 4)
     # 4 processes, 8 devices: process 1 holds rows 16.. and 24.. of params/w and row 2.. of
     # params/m; its uploads of step 3 are held 3 s, and it is killed while they are
-    backend.faults(FaultPlan(stalls=[(shard_write_of(3, "/16_0.bin", "/24_0.bin", "/2_0.bin", "/2_3.bin"), 3.0)]))
+    # and deleting step 2's staged shards is slow: process 0's clean-up of the failed save
+    # must delay neither the others' learning of the failure nor its own error
+    backend.faults(FaultPlan(stalls=[(shard_write_of(3, "/16_0.bin", "/24_0.bin", "/2_0.bin", "/2_3.bin"), 3.0),
+                                     (shard_delete_of(2), 4.0)]))
     res = run(4, url, opts, [
         {"op": "mgr", "kwargs": {"keep": 5, "timeout": T}},
         {"op": "save", "step": 1, "val": 1.0},
@@ -256,6 +269,8 @@ def test_lost_or_hanging_process_commits_nothing_and_every_survivor_raises_in_ti
         s2 = one(r, "save", 2)
         assert not s2["ok"] and s2["error"] == "CoordinationError", (r["pid"], s2)
     assert "process 3" in one(res[0], "save", 2)["message"]
+    for pid in (1, 2):  # told by process 0 that the save failed, not left guessing
+        assert "was not committed" in one(res[pid], "save", 2)["message"], res[pid]
     for pid in (0, 1, 2):  # waited for the hanging process up to the timeout, not forever
         took = one(res[pid], "save", 2)["seconds"]
         assert T - 0.5 < took < T + (0 if pid == 0 else margin) + 3, (pid, took)

@@ -125,6 +125,11 @@ class Session:
     def main(self) -> bool:
         return self.index == 0
 
+    @property
+    def margin(self) -> float:
+        """How much longer than process 0 the others wait for its outcome."""
+        return min(30.0, 0.25 * self.timeout)
+
     def restart_clock(self) -> None:
         """Count the timeout from now (an async save starts its work later than its call)."""
         self.deadline = time.monotonic() + self.timeout
@@ -271,7 +276,7 @@ def _main(session: Session, driver: Driver, leaves: list[ShardedLeaf], shards: l
     except BaseException as exc:
         session.fail(exc)  # first: the others learn now, not after the clean-up below
         if txn is not None and not txn.committed:
-            txn.abort()
+            _abort_within(txn, session.margin)
         raise
     late: BaseException | None = None
     if after is not None:
@@ -285,6 +290,23 @@ def _main(session: Session, driver: Driver, leaves: list[ShardedLeaf], shards: l
     if late is not None:
         raise late
     return out
+
+
+def _abort_within(txn: Transaction, seconds: float) -> None:
+    """Abort ``txn``, waiting at most ``seconds`` for its clean-up (deleting many shard
+    objects can take long): process 0 must raise within the timeout plus the margin too.
+    What the clean-up has not removed by then, it goes on removing in the background, and
+    recovery removes whatever remains."""
+    t = threading.Thread(target=_quiet_abort, args=(txn,), name="atomicstore-abort", daemon=True)
+    t.start()
+    t.join(seconds)
+
+
+def _quiet_abort(txn: Transaction) -> None:
+    try:
+        txn.abort()
+    except Exception as exc:  # noqa: BLE001 - recovery removes what is left
+        log.warning("clean-up of the failed save %s: %s", txn.name, exc)
 
 
 def _other(session: Session, leaves: list[ShardedLeaf], shards: list[LocalShard], driver: Driver,
@@ -311,7 +333,7 @@ def _other(session: Session, leaves: list[ShardedLeaf], shards: list[LocalShard]
     session.put(f"report/{session.index}", {"files": files})
     try:
         # a little longer than process 0, which gives up at its own deadline
-        outcome = session.get("outcome", "process 0", margin=min(30.0, 0.25 * session.timeout))
+        outcome = session.get("outcome", "process 0", margin=session.margin)
     except CoordinationError as exc:
         session.abandon()
         raise CoordinationError(f"{exc}; whether the save committed is unknown until process 0 is back "
