@@ -389,7 +389,15 @@ class CheckpointManager:
         with self._lock:
             err, self._error = self._error, None
         if err is not None:
-            raise AtomicStoreError(f"a background save failed: {err}") from err
+            msg = f"a background save failed: {err}"
+            again: AtomicStoreError = AtomicStoreError(msg)
+            if isinstance(err, AtomicStoreError):  # the same class, so `except CoordinationError` works
+                try:
+                    again = type(err)(msg)
+                    again.__dict__.update(vars(err))  # (path, leaf, name... of the original)
+                except TypeError:
+                    pass
+            raise again from err
 
     def _check_open(self) -> None:
         if self._closed:

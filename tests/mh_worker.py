@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -54,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 ROWS = 64
-SHARDED = ("params/w", "params/m", "opt/r")  # arrays that no process holds whole
+SHARDED = ("params/w", "params/m", "opt/r", "opt/step")  # arrays that no process holds whole
 
 
 def expected(val: float) -> dict:
@@ -67,6 +68,7 @@ def expected(val: float) -> dict:
         },
         "opt": {
             "r": np.full((4, 5), int(val * 10), np.int32),  # P(): replicated on every device
+            "step": np.array(int(val * 7), np.int32),  # 0-d, replicated (a TrainState's step)
             "count": int(val * 100),  # Python scalars
             "lr": val / 8,
         },
@@ -75,7 +77,7 @@ def expected(val: float) -> dict:
 
 def distinct_array_bytes() -> int:
     e = expected(1.0)
-    return e["params"]["w"].nbytes + e["params"]["m"].nbytes + e["opt"]["r"].nbytes
+    return e["params"]["w"].nbytes + e["params"]["m"].nbytes + e["opt"]["r"].nbytes + e["opt"]["step"].nbytes
 
 
 def get(tree: dict, key: str) -> object:
@@ -91,10 +93,10 @@ class Layouts:
         self.m2 = Mesh(devs.reshape(nproc, 2), ("a", "b"))
         # as saved
         self.same = {"params/w": NamedSharding(self.m1, P("x")), "params/m": NamedSharding(self.m2, P("a", "b")),
-                     "opt/r": NamedSharding(self.m1, P())}
+                     "opt/r": NamedSharding(self.m1, P()), "opt/step": NamedSharding(self.m1, P())}
         # other meshes and PartitionSpecs: every process needs parts of several saved shards
         self.alt = {"params/w": NamedSharding(self.m2, P("b", "a")), "params/m": NamedSharding(self.m1, P("x")),
-                    "opt/r": NamedSharding(self.m2, P("b", None))}
+                    "opt/r": NamedSharding(self.m2, P("b", None)), "opt/step": NamedSharding(self.m2, P())}
 
     def tree(self, val: float) -> dict:
         e = expected(val)
@@ -114,7 +116,8 @@ class Layouts:
         if layout == "same":
             return self.tree(-3.0)
         e = expected(0.0)
-        out = {"params": {"b": np.zeros(5), "w": None, "m": None}, "opt": {"count": 0, "lr": 0.0, "r": None}}
+        out = {"params": {"b": np.zeros(5), "w": None, "m": None},
+               "opt": {"count": 0, "lr": 0.0, "r": None, "step": None}}
         for key in SHARDED:
             arr = get(e, key)
             a, b = key.split("/")
@@ -126,7 +129,7 @@ def check(got: dict, val: float, target: dict, prefix: str = "") -> int:
     """Compare a restored (sub)tree with ``expected(val)``; the number of device shards checked."""
     e = expected(val)
     n = 0
-    for key in ("params/w", "params/m", "params/b", "opt/r", "opt/count", "opt/lr"):
+    for key in ("params/w", "params/m", "params/b", "opt/r", "opt/step", "opt/count", "opt/lr"):
         if prefix and not key.startswith(prefix):
             continue
         rel = key[len(prefix):] if prefix else key
@@ -151,7 +154,7 @@ def check(got: dict, val: float, target: dict, prefix: str = "") -> int:
 
 def check_numpy(got: dict, val: float) -> None:
     e = expected(val)
-    for key in ("params/w", "params/m", "params/b", "opt/r"):
+    for key in ("params/w", "params/m", "params/b", "opt/r", "opt/step"):
         g, want = get(got, key), get(e, key)
         assert isinstance(g, np.ndarray) and g.dtype == want.dtype and np.array_equal(g, want), key
     assert get(got, "opt/count") == e["opt"]["count"] and get(got, "opt/lr") == e["opt"]["lr"]
@@ -191,6 +194,10 @@ def main() -> None:
                 mgr = atomicstore.CheckpointManager(url, storage_options=so, **kw)
             elif op == "save":
                 tree = lay.tree(act["val"])
+                if act.get("spec") == "cols":  # this process shards params/w by columns instead
+                    w = expected(act["val"])["params"]["w"]
+                    tree["params"]["w"] = jax.make_array_from_callback(
+                        w.shape, NamedSharding(lay.m1, P(None, "x")), lambda i, w=w: w[i])
                 mgr.save(act["step"], tree)
                 if act.get("mutate"):  # after an async save returned: must not reach the checkpoint
                     tree["params"]["b"] += 1000.0
@@ -230,6 +237,10 @@ def main() -> None:
                 rec["value"] = mgr.metadata(act["step"])["attempt"]
             elif op == "sleep":
                 time.sleep(act["seconds"])
+            elif op == "pause_self":  # a paused VM: SIGSTOP now, SIGCONT ``seconds`` later
+                subprocess.Popen(["sh", "-c", f"sleep 0.2; kill -STOP {os.getpid()}; sleep {act['seconds']}; "
+                                  f"kill -CONT {os.getpid()}"])
+                time.sleep(1.0)  # stopped in here
             elif op == "die_after":
                 threading.Timer(act["seconds"], os._exit, (17,)).start()
                 hard_exit = True

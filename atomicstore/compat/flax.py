@@ -346,7 +346,8 @@ def save_checkpoint_multiprocess(
     ``timeout`` seconds means no commit, and every surviving process raises
     :class:`~atomicstore.CoordinationError`. ``gda_manager`` is accepted and ignored.
     Returns the main file's path."""
-    session = Session.begin(f"save_checkpoint_multiprocess of step {step}", check_timeout(timeout))
+    session = Session.begin(f"save_checkpoint_multiprocess of step {step} in {ckpt_dir}",
+                            check_timeout(timeout))
     if session is None:  # one process holds every array whole
         return save_checkpoint(ckpt_dir, target, step, prefix, keep, overwrite, keep_every_n_steps,
                                async_manager, orbax_checkpointer, storage_options=storage_options)

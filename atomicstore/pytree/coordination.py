@@ -27,9 +27,10 @@ process 0 from committing.
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import json
 import logging
+import math
 import sys
 import threading
 import time
@@ -39,15 +40,16 @@ from typing import Any
 from ..commit import Transaction
 from ..drivers import Driver
 from ..errors import CoordinationError, InvalidArgumentError
-from .format import Shard
+from .format import Shard, check_shards
 from .sharded import LocalShard, ShardedLeaf, assemble, write_shards
 
 log = logging.getLogger("atomicstore.coordination")
 
 DEFAULT_TIMEOUT = 300.0
-_seq = itertools.count()
-_seq_lock = threading.Lock()
-_cleared = 0  # process 0: sessions below this number have had their keys deleted
+_lock = threading.Lock()
+_counts: dict[str, int] = {}  # how many sessions of each call this process has opened
+_opened: list[str] = []  # the namespaces of this process's sessions, in order
+_cleared = 0  # process 0: the namespaces _opened[:_cleared] have been deleted
 
 
 def distributed_client() -> Any:
@@ -78,8 +80,8 @@ def multihost() -> bool:
 
 
 def check_timeout(timeout: Any) -> float:
-    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
-        raise InvalidArgumentError("timeout must be a positive number of seconds")
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+        raise InvalidArgumentError("timeout must be a positive, finite number of seconds")
     return float(timeout)
 
 
@@ -93,15 +95,19 @@ class Session:
     index and the number of processes; ``what`` names the call (every process must make
     the same one)."""
 
-    def __init__(self, what: str, timeout: float, *, client: Any = None, index: int = 0, count: int = 1,
-                 seq: int | None = None) -> None:
-        if seq is None:  # first: every process draws it, whatever fails next
-            with _seq_lock:
-                seq = next(_seq)
-        self.seq = seq
+    def __init__(self, what: str, timeout: float, *, client: Any = None, index: int = 0, count: int = 1) -> None:
+        # first: every process opens it, whatever fails next. Sessions are named by the
+        # call and how many times this process made that call, not by a global counter:
+        # a process that skipped one call (it raised before making it) fails that call
+        # only, and the processes agree again on the next one
+        with _lock:
+            n = _counts.get(what, 0)
+            _counts[what] = n + 1
+            self.ns = f"atomicstore/{hashlib.sha256(what.encode()).hexdigest()[:24]}/{n}"
+            _opened.append(self.ns)
+            self.order = len(_opened)
         self.what, self.timeout = what, check_timeout(timeout)
         self.client, self.index, self.count = client, index, count
-        self.ns = f"atomicstore/{seq}"
         self.deadline = time.monotonic() + self.timeout
         self._sent: set[str] = set()
         if count > 1 and client is None:
@@ -159,32 +165,39 @@ class Session:
     def fail(self, exc: BaseException) -> None:
         """Tell the others this process failed (what it owes them, as an error)."""
         err = self.error(exc)
-        try:
-            if self.main:
-                self.put("plan", err)
-                self.put("outcome", err)
-            else:
-                self.put(f"report/{self.index}", err)
-        except Exception as pub:  # noqa: BLE001 - the others will time out instead
-            log.warning("could not publish the failure of %s: %s", self.what, pub)
+        keys = ["plan", "outcome"] if self.main else [f"report/{self.index}"]
+        self._publish_soon([(k, err) for k in keys])
 
     def abandon(self) -> None:
         """This process stops waiting: a late process 0 must not commit."""
-        try:
-            self.put(f"abandon/{self.index}", True)
-        except Exception:  # noqa: BLE001 - best effort; the deadline check remains
-            pass
+        self._publish_soon([(f"abandon/{self.index}", True)])
+
+    def _publish_soon(self, items: list[tuple[str, Any]], wait: float = 1.0) -> None:
+        """Publish on an error path without waiting more than ``wait`` seconds: the
+        coordination service lives in process 0, and a paused process 0 (a stopped VM)
+        must not hold the others' errors back. The publish completes if it resumes."""
+
+        def publish() -> None:
+            for k, v in items:
+                try:
+                    self.put(k, v)
+                except Exception as pub:  # noqa: BLE001 - the others will time out instead
+                    log.warning("could not publish %s of %s: %s", k, self.what, pub)
+
+        t = threading.Thread(target=publish, name="atomicstore-publish", daemon=True)
+        t.start()
+        t.join(wait)
 
     def forget_earlier(self) -> None:
         """Process 0, once every process reported in this session: each process makes its
         calls one after another, so every process is done with all earlier sessions and
         their keys can go (the coordination service keeps them in memory otherwise)."""
         global _cleared
-        with _seq_lock:
-            first, _cleared = _cleared, max(_cleared, self.seq)
-        for n in range(first, self.seq):
+        with _lock:
+            doomed, _cleared = _opened[_cleared : self.order - 1], max(_cleared, self.order - 1)
+        for ns in doomed:
             try:
-                self.client.key_value_delete(f"atomicstore/{n}")
+                self.client.key_value_delete(ns)
             except Exception:  # noqa: BLE001 - tidiness only
                 break
 
@@ -265,10 +278,19 @@ def _main(session: Session, driver: Driver, leaves: list[ShardedLeaf], shards: l
         for i, rep in enumerate(reports):
             if "error" in rep:
                 raise CoordinationError(f"{session.what}: process {i} failed: {rep['error']}")
+        files = [f for rep in reports for f in rep["files"]]
         try:
-            by_array = assemble([f for rep in reports for f in rep["files"]], leaves)
+            by_array = assemble(files, leaves)
+            sizes = {f["file"]: f["size"] for f in files}
         except (KeyError, TypeError, ValueError) as exc:
             raise CoordinationError(f"{session.what}: malformed report: {exc}") from None
+        for leaf in leaves:  # the reader's own rule, before anything is committed
+            try:
+                check_shards(by_array[leaf.n], leaf.shape, leaf.dtype.itemsize, sizes.get)
+            except ValueError as exc:
+                raise CoordinationError(
+                    f"{session.what}: the shards the processes wrote of {leaf.key} do not tile it ({exc}): "
+                    "do all processes hold the array with the same sharding?") from None
         for rep in reports:
             for f in rep["files"]:
                 txn.adopt(f["file"], f["size"], f["crc32c"])

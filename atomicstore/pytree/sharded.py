@@ -66,7 +66,8 @@ class LocalShard:
         arr = np.asarray(self.data)
         if self.cast is not None and arr.dtype != self.cast:
             arr = arr.astype(self.cast)
-        return np.ascontiguousarray(arr)
+        # (not np.ascontiguousarray, which turns a 0-d array into a 1-d one)
+        return arr if arr.flags.c_contiguous else np.array(arr, order="C")
 
 
 def split_tree(tree: Any, *, cast_dtype: np.dtype | None = None,
