@@ -5,6 +5,8 @@ during the operation minus RSS before it). Prints a Markdown table with ratios.
 
     nox -s bench                  # everything
     nox -s bench -- --quick       # smaller sizes, for a smoke run
+    nox -s bench -- --only multihost               # only the multi-process table (1 and 4 GiB)
+    nox -s bench -- --only multihost --mp-sizes 1024 --mp-procs 1,2
 """
 
 from __future__ import annotations
@@ -305,35 +307,102 @@ for _c in ("memcpy_async", "atomicstore_async", "d2h_async", "atomicstore_jax_as
     CASES[_c] = globals()[f"case_{_c}"]
 
 
-def measure_multiprocess(total: int, nproc: int, repeat: int) -> dict[str, float]:
-    """Save + restore of ``total`` bytes sharded over ``nproc`` processes (1: one numpy
-    array through save_checkpoint); process 0's times, median of ``repeat``; and the
-    bytes that ended on storage."""
+def measure_multiprocess(total: int, nproc: int, repeat: int) -> dict:
+    """Save + restore of a float32 array of ``total`` bytes sharded over ``nproc``
+    processes (one CPU device each) through the native API (``benchmarks/mp_child.py``;
+    ``nproc`` 1: the same bytes as one jax.Array in one process). All processes run the
+    ``repeat`` saves and restores in one job. Times: of the slowest process of each run,
+    median over runs. Memory: the largest extra peak of any process in any run. Bytes
+    on storage: of the committed checkpoint."""
     import socket
 
     child_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_child.py")
-    saves, restores, stored = [], [], 0
-    for _ in range(repeat):
-        work = tempfile.mkdtemp(prefix="asbench-mp-", dir=os.environ.get("BENCH_DIR"))
+    work = tempfile.mkdtemp(prefix="asbench-mp-", dir=os.environ.get("BENCH_DIR"))
+    try:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         outs = [os.path.join(work, f"out{i}.json") for i in range(nproc)]
-        procs = [subprocess.Popen([sys.executable, child_py, str(port), str(nproc), str(i),
-                                   os.path.join(work, "ckpt"), str(total), outs[i]]) for i in range(nproc)]
-        for p in procs:
-            if p.wait(timeout=900) != 0:
-                raise RuntimeError("multi-process benchmark child failed")
-        with open(outs[0]) as f:
-            res = json.load(f)
-        saves.append(res["save"])
-        restores.append(res["restore"])
-        ckpt = os.path.join(work, "ckpt")
-        # the array's bytes as stored: shard files of the _gda checkpoint, or the one flax file
-        stored = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(ckpt)
-                     for f in fs if f.endswith(".bin")) or os.path.getsize(os.path.join(ckpt, "checkpoint_1"))
+        procs = [subprocess.Popen([sys.executable, child_py, str(port), str(nproc), str(i), os.path.join(work, "ckpt"),
+                                   str(total), str(repeat), outs[i]]) for i in range(nproc)]
+        try:  # one failed or hung process fails the case at once (the others would wait for it)
+            deadline = time.monotonic() + 600 + repeat * total / MiB
+            while any(p.poll() is None for p in procs):
+                if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            if any(p.returncode != 0 for p in procs):
+                raise RuntimeError(f"multi-process benchmark failed ({nproc} processes, {total} bytes): "
+                                   f"exit codes {[p.returncode for p in procs]}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        res = []
+        for o in outs:
+            with open(o) as f:
+                res.append(json.load(f))
+    finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"save": statistics.median(saves), "restore": statistics.median(restores), "stored": stored}
+    runs = [[r["runs"][k] for r in res] for k in range(repeat)]  # runs[k][process]
+    out: dict = {"nproc": nproc, "total": total, "local": max(r["local"] for r in res)}
+    for key in ("save", "restore", "restore_cold"):
+        slowest = [max(p[key] for p in run) for run in runs]
+        out[key] = statistics.median(slowest)
+        out[key + "_range"] = (min(slowest), max(slowest))
+        out[key + "_all"] = [[round(p[key], 3) for p in run] for run in runs]
+        out[key + "_extra"] = max(p[key + "_extra"] for run in runs for p in run)
+    procs_runs = [(r, p) for run in runs for r, p in zip(res, run, strict=True)]
+    # what a restore needs beyond the array it returns (this process's part of it)
+    out["restore_overhead"] = max(p[k + "_extra"] - r["local"] for r, p in procs_runs for k in ("restore", "restore_cold"))
+    # I/O of each process against its part of the array (1: it touches only its own bytes)
+    out["read_ratio"] = max(p[k + "_read"] / r["local"] for r, p in procs_runs for k in ("restore", "restore_cold"))
+    out["write_ratio"] = max(p["written"] / r["local"] for r, p in procs_runs)
+    first = runs[0][0]
+    out |= {"stored": first["stored"], "shard_bytes": first["shard_bytes"], "files": first["files"]}
+    return out
+
+
+def multiprocess_table(sizes: list[int], procs: list[int], repeat: int) -> None:
+    """The multi-process benchmark: each size over each process count; a Markdown table."""
+    rows = []
+    t0 = time.monotonic()
+    for size in sizes:
+        base = None
+        for n in procs:
+            r = measure_multiprocess(size, n, repeat)
+            base = base or r
+            rows.append((r, base))
+            print(f"multi-process {size // MiB:6d} MiB x {n} proc: save {r['save']:7.3f} s, restore warm "
+                  f"{r['restore']:7.3f} s, cold {r['restore_cold']:7.3f} s; extra save "
+                  f"{r['save_extra'] / MiB:.0f} MiB, restore {r['restore_extra'] / MiB:.0f} MiB "
+                  f"(own part {r['local'] / MiB:.0f} MiB); per run and process: save {r['save_all']} restore "
+                  f"{r['restore_all']} cold {r['restore_cold_all']}", file=sys.stderr, flush=True)
+
+    def t(r: dict, key: str) -> str:
+        lo, hi = r[key + "_range"]
+        return f"{r[key]:.2f} ({lo:.2f}–{hi:.2f})" if len(r[key + "_all"]) > 1 else f"{r[key]:.2f}"
+
+    print(f"\nmulti-process, native API (`atomicstore.save`, `atomicstore.restore` onto the same sharding, "
+          f"`block_until_ready`): one float32 array sharded over N processes x 1 CPU device (N = 1: the same "
+          f"bytes as one jax.Array in one process). Time of the slowest process, median (min–max) of {repeat} "
+          f"runs; x one process: median / the 1-process median of that size. Extra peak RSS: the largest of any "
+          f"process and run (restore: it includes the restored array itself, 1/N of the bytes; \"beyond\" "
+          f"subtracts it). I/O: bytes each process wrote / read, over its 1/N. {time.monotonic() - t0:.0f} s in "
+          "all.\n")
+    print("| array | N | save (s) | restore, warm (s) | restore, cold (s) | x one process (save / warm / cold) "
+          "| extra peak RSS, save (MiB) | extra peak RSS, restore (MiB) | restore beyond its result (MiB) "
+          "| written / read, ÷ own part | array bytes stored ÷ distinct | other files (bytes) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r, b in rows:
+        print(f"| {r['total'] // MiB} MiB | {r['nproc']} | {t(r, 'save')} | {t(r, 'restore')} | "
+              f"{t(r, 'restore_cold')} | {r['save'] / b['save']:.2f} / {r['restore'] / b['restore']:.2f} / "
+              f"{r['restore_cold'] / b['restore_cold']:.2f} | {r['save_extra'] / MiB:.0f} | "
+              f"{r['restore_extra'] / MiB:.0f} | {r['restore_overhead'] / MiB:.0f} | "
+              f"{r['write_ratio']:.3f} / {r['read_ratio']:.3f} | "
+              f"{r['shard_bytes'] / r['total']:.6f} | {r['stored'] - r['shard_bytes']:,} |")
+    sys.stdout.flush()
 
 
 def child(case: str, total: int, leaf: int) -> None:
@@ -374,11 +443,30 @@ def main() -> None:
     ap.add_argument("--leaf", type=int, default=ARRAY_BYTES)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="256 MiB instead of 1 GiB, no 4 GiB case")
+    ap.add_argument("--only", choices=["all", "single", "multihost"], default="all",
+                    help="single: the one-process cases against the anchors; multihost: the multi-process table")
+    ap.add_argument("--mp-sizes", default=None,
+                    help="multi-process array sizes in MiB, comma-separated (default: --bytes and 4 x --bytes; "
+                         "--quick: 256)")
+    ap.add_argument("--mp-procs", default="1,2,4", help="process counts, comma-separated; the first is the baseline")
+    ap.add_argument("--mp-repeat", type=int, default=None, help="runs of each multi-process case (default: --repeat)")
     args = ap.parse_args()
     if args.child:
         child(args.child, args.bytes, args.leaf)
         return
     total = 256 * MiB if args.quick else args.bytes
+    if args.only in ("all", "single"):
+        single_table(args, total)
+    if args.only in ("all", "multihost"):
+        if args.mp_sizes:
+            sizes = [int(float(x) * MiB) for x in args.mp_sizes.split(",")]
+        else:
+            sizes = [total] if args.quick else [total, 4 * total]
+        multiprocess_table(sizes, [int(x) for x in args.mp_procs.split(",")], args.mp_repeat or args.repeat)
+
+
+def single_table(args: argparse.Namespace, total: int) -> None:
+    """The one-process cases against raw I/O and the anchor libraries."""
     groups = [
         (f"durable save, {total // MiB} MiB (16 leaves)", total, ARRAY_BYTES, "save", LIBS),
         (f"restore, {total // MiB} MiB (warm cache)", total, ARRAY_BYTES, "restore", LIBS),
@@ -410,15 +498,7 @@ def main() -> None:
     for title, lib, r, ratio in rows:
         total_s = f" (committed after {r['total']:.3f} s)" if "async" in title and r["total"] != r["time"] else ""
         print(f"| {title} | {lib}{total_s} | {r['time']:.3f} | {ratio:.2f} | {r['extra'] / MiB:.0f} |")
-    one = measure_multiprocess(total, 1, args.repeat)
-    two = measure_multiprocess(total, 2, args.repeat)
-    print(f"\nmulti-process, {total // MiB} MiB float32 (median of {args.repeat}; process 0's time; "
-          "2 processes x 1 CPU device, each holding half)\n")
-    print("| case | save (s) | restore (s) | x one process (save / restore) | bytes on storage |")
-    print("|---|---:|---:|---:|---:|")
-    for label, r in (("one process, save_checkpoint", one), ("two processes, save_checkpoint_multiprocess", two)):
-        print(f"| {label} | {r['save']:.3f} | {r['restore']:.3f} | {r['save'] / one['save']:.2f} / "
-              f"{r['restore'] / one['restore']:.2f} | {r['stored']:,} |")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

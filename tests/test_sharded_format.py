@@ -485,3 +485,23 @@ def test_resharding_onto_two_devices_reads_parts_of_shards(store, tmp_path):
     got = run(["x", None])
     assert got["error"] == "ChecksumMismatchError" and got["path"] == "shards/0/2_0.bin"
     assert got["leaf"] == "w" and "block 8" in got["msg"]
+
+
+def test_restore_buffers_are_aligned_so_a_cpu_device_aliases_them():
+    """jax aliases a host buffer for a CPU device only when it is 64-byte aligned, and
+    copies it otherwise (a second copy of every restored array); the reader allocates
+    with ``aligned_empty`` for that reason."""
+    import jax
+
+    from atomicstore.pytree.format import aligned_empty
+
+    for shape in [(1000, 300), (3,), (), (0, 5), (1 << 20,)]:
+        a = aligned_empty(shape, np.float32)
+        assert a.shape == shape and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+        assert a.ctypes.data % 64 == 0 or not a.size
+    a = aligned_empty((1 << 20,), np.float32)
+    a[:] = 1.0
+    x = jax.device_put(a, jax.devices()[0], may_alias=True)
+    assert x.unsafe_buffer_pointer() == a.ctypes.data  # aliased, not copied
+    b = np.empty((1 << 20) + 4, np.float32)[1:]  # a misaligned buffer is copied
+    assert b.ctypes.data % 64 and jax.device_put(b, jax.devices()[0], may_alias=True).unsafe_buffer_pointer() != b.ctypes.data

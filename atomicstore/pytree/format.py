@@ -56,6 +56,21 @@ def bytes_view(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
+#: restored arrays start on this boundary: jax aliases a host buffer for a CPU device
+#: (``device_put(..., may_alias=True)``) only if it is 64-byte aligned, and copies it
+#: otherwise (numpy's large allocations start 16 bytes past a page boundary)
+ALIGN = 64
+
+
+def aligned_empty(shape: tuple[int, ...] | list[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-ordered array whose data starts on an :data:`ALIGN` boundary."""
+    dtype = np.dtype(dtype)
+    n = math.prod(shape) * dtype.itemsize
+    raw = np.empty(n + ALIGN, np.uint8)
+    off = -raw.ctypes.data % ALIGN
+    return raw[off : off + n].view(dtype).reshape(shape)
+
+
 def split_url(url_or_path: str | os.PathLike[str]) -> tuple[str, str]:
     """(store root, checkpoint name) of ``<root>/<name>``."""
     s = os.fspath(url_or_path) if isinstance(url_or_path, os.PathLike) else url_or_path
@@ -420,6 +435,6 @@ def index_of_msgpack(read: Callable[[int, int], bytes], size: int, where: str) -
 
 __all__ = [
     "EXT_COMPLEX", "EXT_NDARRAY", "EXT_NPSCALAR", "FLAX_MAX_CHUNK", "INDEX_FILE", "INDEX_FORMAT",
-    "SHARDED_PH", "SHARD_BLOCK", "STATE_FILE", "Index", "Leaf", "Shard", "bytes_view", "check_shards",
+    "SHARDED_PH", "SHARD_BLOCK", "STATE_FILE", "Index", "Leaf", "Shard", "aligned_empty", "bytes_view", "check_shards",
     "index_of_msgpack", "parse_index", "parse_shards", "shard_file", "split_url",
 ]

@@ -10,7 +10,6 @@ only the byte ranges its devices hold, else the whole array as numpy. Legacy fla
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,12 +30,13 @@ from .format import (
     STATE_FILE,
     Index,
     Leaf,
+    aligned_empty,
     bytes_view,
     index_of_msgpack,
     parse_index,
     split_url,
 )
-from .sharded import ShardReader, restore_array
+from .sharded import ShardReader, restore_array, run_jobs
 from .tree import Path, is_jax_array, path_str, per_leaf_fn, rebuild
 
 #: leaves smaller than this are read in coalesced batches
@@ -126,7 +126,7 @@ class _Reader:
         def big(lf: Leaf) -> Callable[[], None]:
             def job() -> None:
                 assert lf.dtype is not None
-                arr = np.empty(lf.shape, lf.dtype)
+                arr = aligned_empty(lf.shape, lf.dtype)  # so that a device may alias it
                 flat = bytes_view(arr)
                 pos = 0
                 for i, (off, n, crc) in enumerate(lf.ranges):
@@ -150,13 +150,7 @@ class _Reader:
                 batch.append(lf)
         if batch:
             jobs.append(run_batch(batch))
-        if len(jobs) <= 1 or self.threads <= 1:
-            for j in jobs:
-                j()
-        else:
-            with concurrent.futures.ThreadPoolExecutor(min(self.threads, len(jobs))) as pool:
-                for fut in [pool.submit(j) for j in jobs]:
-                    fut.result()
+        run_jobs(jobs, self.threads)
         return out
 
     def _decode(self, lf: Leaf, view: memoryview) -> Any:

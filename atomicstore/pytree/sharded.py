@@ -26,7 +26,7 @@ from ..commit.manifest import crc32c, crc32c_combine
 from ..commit.store import Checkpoint
 from ..drivers import Driver
 from ..errors import ChecksumMismatchError, CorruptionError, InvalidArgumentError
-from .format import SHARD_BLOCK, Shard, bytes_view
+from .format import SHARD_BLOCK, Shard, aligned_empty, bytes_view
 from .tree import Path, is_jax_array, path_str, rebuild
 
 #: ranged reads of one shard are split into pieces of about this size, read in parallel
@@ -167,6 +167,18 @@ def assemble(reports: list[dict], leaves: list[ShardedLeaf]) -> dict[int, list[S
 
 
 # -- reading ---------------------------------------------------------------------------------
+def run_jobs(jobs: list[Callable[[], None]], threads: int) -> None:
+    """Run ``jobs`` on up to ``threads`` threads (in this thread when there is one job);
+    the first error is raised."""
+    if len(jobs) <= 1 or threads <= 1:
+        for j in jobs:
+            j()
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(threads, len(jobs))) as pool:
+        for fut in [pool.submit(j) for j in jobs]:
+            fut.result()
+
+
 Box = tuple[tuple[int, int], ...]
 
 
@@ -209,7 +221,7 @@ class ShardReader:
     def read(self, regions: list[Box]) -> list[np.ndarray]:
         """One fresh array per region ((lo, hi) per axis)."""
         rank = len(self.shape)
-        outs = [np.empty([hi - lo for lo, hi in box], self.dtype) for box in regions]
+        outs = [aligned_empty([hi - lo for lo, hi in box], self.dtype) for box in regions]
         jobs: list[Callable[[], None]] = []
         copies: list[Callable[[], None]] = []
         item = self.dtype.itemsize
@@ -239,13 +251,7 @@ class ShardReader:
             if filled != res.size:
                 raise CorruptionError(f"{self.ckpt.where('')}: the shards of {self.leaf} do not cover the region "
                                       f"{box}", leaf=self.leaf)
-        if len(jobs) <= 1 or self.threads <= 1:
-            for j in jobs:
-                j()
-        else:
-            with concurrent.futures.ThreadPoolExecutor(min(self.threads, len(jobs))) as pool:
-                for fut in [pool.submit(j) for j in jobs]:
-                    fut.result()
+        run_jobs(jobs, self.threads)
         for c in copies:
             c()
         return outs
@@ -291,6 +297,7 @@ __all__ = [
     "is_multiprocess_array",
     "local_shards",
     "restore_array",
+    "run_jobs",
     "split_tree",
     "write_shard",
     "write_shards",
