@@ -97,8 +97,8 @@ class CheckpointManager:
     Multi-host (``jax.distributed``) jobs: every process creates the manager and calls
     ``save``, ``restore`` and ``delete`` with the same arguments in the same order, as
     with Orbax. Arrays sharded across processes are written by the processes holding
-    them; process 0 checks the step, writes the rest, commits and applies retention.
-    ``restore`` without a step restores the step process 0 finds latest, in every process.
+    them; process 0 checks the step, writes the rest, commits and applies retention
+    before any process returns, so every process then sees the same steps.
     Errors of a background save in any process are raised by the next call in every
     process.
     """
@@ -212,13 +212,7 @@ class CheckpointManager:
             overwrite = self.overwrite or force
             newer: list[Step] = []
             if session is None or session.main:  # process 0 decides on the step
-                steps = self.all_steps()
-                newer = [s for s in steps if s >= step]
-                if newer and not overwrite:
-                    raise InvalidArgumentError(
-                        f"step {step} is not newer than the latest checkpoint {steps[-1]} "
-                        f"(pass overwrite=True to the manager, or force=True)"
-                    )
+                newer = self._newer(step, overwrite)
             meta = {"user": metadata or {}, "metrics": metrics or {}, "started": time.time(),
                     "version": _version(), "milestone": milestone, "ephemeral": ephemeral, "step": step,
                     "items": json.loads(json.dumps(items or {}))}
@@ -236,6 +230,8 @@ class CheckpointManager:
         self.wait_until_finished(_raise=False)  # saves are ordered
         try:
             self._raise_pending_error()  # the previous save failed while this one waited
+            if session is None or session.main:  # again: the saves waited for may have committed it
+                newer = self._newer(step, overwrite)
             gens = self._generations(newer) if overwrite else {}
         except BaseException as exc:
             self._slots.release()
@@ -247,6 +243,18 @@ class CheckpointManager:
         with self._lock:
             self._pending.append(t)
         t.start()
+
+    def _newer(self, step: Step, overwrite: bool) -> list[Step]:
+        """The committed steps not older than ``step`` (what an overwrite replaces and
+        removes); without ``overwrite`` there must be none."""
+        steps = self.all_steps()
+        newer = [s for s in steps if s >= step]
+        if newer and not overwrite:
+            raise InvalidArgumentError(
+                f"step {step} is not newer than the latest checkpoint {steps[-1]} "
+                f"(pass overwrite=True to the manager, or force=True)"
+            )
+        return newer
 
     def _generations(self, steps: list[Step]) -> dict[Step, str | None]:
         """Which checkpoint each of ``steps`` is now (read when the save is called), so
@@ -349,9 +357,8 @@ class CheckpointManager:
         :class:`NotFoundError` when there is no checkpoint. Waits for background saves
         first, so a step just saved is restorable."""
         self.wait_until_finished()
-        if step is None:
-            session = Session.begin(f"restore of the latest step of {self.store.url}", self.timeout)
-            step = self.latest_step() if session is None else session.decide(self.latest_step)
+        if step is None:  # (every process sees the same steps once a save returned everywhere)
+            step = self.latest_step()
             if step is None:
                 raise NotFoundError(f"no checkpoint with prefix {self.prefix!r} in {self.store.url}")
         step = check_step(step)

@@ -370,3 +370,24 @@ def test_async_save_raises_the_error_of_the_save_it_waited_for(request, tmp_path
     mgr.save(3, {"x": np.ones(3) * 3})
     mgr.close()
     assert mgr.all_steps() == [1, 3]
+
+
+def test_async_overwrites_of_a_step_in_flight_replace_it_in_order(tmp_path):
+    """With overwrite=True and async saves, saving a step again while its first save is
+    still in flight replaces it (the step rules are applied again once the save waited
+    for has committed), instead of failing with a commit conflict and losing the save."""
+    mgr = CheckpointManager(str(tmp_path / "ow"), overwrite=True, async_save=True, keep=3)
+    for i in range(6):
+        mgr.save(5, {"v": np.full(1 << 20, i, np.float32)})
+    mgr.save(6, {"v": np.zeros(3, np.float32)})
+    mgr.save(5, {"v": np.full(3, 7, np.float32)})  # removes 6 once committed
+    mgr.close()
+    assert mgr.all_steps() == [5]
+    assert (mgr.restore(5)["v"] == 7).all()
+
+    plain = CheckpointManager(str(tmp_path / "plain"), async_save=True)
+    plain.save(1, {"v": np.ones(1 << 20, np.float32)})
+    with pytest.raises(atomicstore.InvalidArgumentError, match="not newer"):
+        plain.save(1, {"v": np.ones(3, np.float32)})  # the first may not have committed yet
+    plain.close()
+    assert plain.all_steps() == [1] and plain.restore(1)["v"].shape == (1 << 20,)
