@@ -354,3 +354,22 @@ def test_orbax_directory_is_refused_clearly(tmp_path):
     (d / "_METADATA").write_text("{}")
     with pytest.raises(atomicstore.InvalidArgumentError, match="Orbax"):
         ck.restore_checkpoint(tmp_path / "d", None)
+
+
+def test_invalid_checkpoint_error_is_caught_as_flax_s(tmp_path):
+    """Resume code written for flax catches ``flax.errors.InvalidCheckpointError``: after
+    swapping the import, it must still catch ours (and ours stays an atomicstore error)."""
+    import pickle
+
+    d = str(tmp_path / "ck")
+    ck.save_checkpoint(d, {"a": np.ones(2)}, 5)
+    try:
+        ck.save_checkpoint(d, {"a": np.ones(2)}, 3)
+    except flax.errors.InvalidCheckpointError as exc:
+        err = exc
+    assert isinstance(err, ck.InvalidCheckpointError) and isinstance(err, atomicstore.InvalidArgumentError)
+    assert isinstance(err, ValueError) and err.step == 3 and err.path.endswith("checkpoint_3")
+    assert str(err) == f'Trying to save an outdated checkpoint at step: "3" and path: "{err.path}".'
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is ck.InvalidCheckpointError and str(again) == str(err)
+

@@ -69,13 +69,30 @@ ORBAX_FILES = {"checkpoint", "_METADATA", "manifest.ocdbt"}
 PyTree = Any
 
 
-class InvalidCheckpointError(InvalidArgumentError):
+def _flax_error_base() -> tuple[type, ...]:
+    """flax's own ``InvalidCheckpointError`` when flax is installed, so that resume code
+    written for flax (``except flax.errors.InvalidCheckpointError``) catches ours."""
+    try:
+        from flax.errors import InvalidCheckpointError as FlaxInvalidCheckpointError
+    except ImportError:  # flax not installed: nothing of flax's to be caught as
+        return ()
+    return (FlaxInvalidCheckpointError,)
+
+
+class InvalidCheckpointError(InvalidArgumentError, *_flax_error_base()):  # type: ignore[misc]
     """A checkpoint cannot be stored where a checkpoint at the same or a later step
-    exists (pass ``overwrite=True``). Same message as flax's error of that name."""
+    exists (pass ``overwrite=True``). Same message as flax's error of that name; an
+    instance of ``flax.errors.InvalidCheckpointError`` too when flax is installed (and of
+    ``ValueError``, as all argument errors of atomicstore)."""
 
     def __init__(self, path: str, step: Any) -> None:
-        super().__init__(f'Trying to save an outdated checkpoint at step: "{step}" and path: "{path}".')
+        # (ValueError's __init__: flax's would append its documentation link)
+        InvalidArgumentError.__init__(self, f'Trying to save an outdated checkpoint at step: "{step}" and '
+                                            f'path: "{path}".')
         self.path, self.step = path, step
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (flax's error unpickles as a plain FlaxError)
+        return (type(self), (self.path, self.step))
 
 
 # -- helpers with flax's exact behaviour -------------------------------------------------------
