@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -348,12 +350,47 @@ def test_corrupt_file_raises_our_error_naming_the_file(tmp_path):
         ck.restore_checkpoint(d, None)
 
 
-def test_orbax_directory_is_refused_clearly(tmp_path):
+def test_orbax_checkpoints_written_by_flax_restore(tmp_path):
+    """flax >= 0.8 writes Orbax step directories by default: after swapping the import,
+    every one of them still restores (through Orbax), by latest, by step and by path."""
+    d = str(tmp_path / "orbax")
+    state = {"params": {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4, np.int32)}, "n": 3}
+    flax.config.update("flax_use_orbax_checkpointing", True)
+    try:
+        fck.save_checkpoint(d, state, 1)
+        fck.save_checkpoint(d, {**state, "n": 4}, 2, keep=2)
+    finally:
+        flax.config.update("flax_use_orbax_checkpointing", False)
+    assert os.path.isdir(os.path.join(d, "checkpoint_2"))
+    target = {"params": {"w": np.zeros((3, 4), np.float32), "b": np.zeros(4, np.int32)}, "n": 0}
+    got = ck.restore_checkpoint(d, target)
+    assert got["n"] == 4 and np.array_equal(got["params"]["w"], state["params"]["w"])
+    assert got["params"]["b"].dtype == np.int32 and np.array_equal(got["params"]["b"], state["params"]["b"])
+    assert ck.restore_checkpoint(d, None, step=1)["n"] == 3
+    assert ck.restore_checkpoint(os.path.join(d, "checkpoint_1"), target)["n"] == 3
+    assert ck.latest_checkpoint(d) == os.path.join(d, "checkpoint_2")
+
+
+def test_a_damaged_orbax_directory_raises_our_error_naming_it(tmp_path):
     d = tmp_path / "d" / "checkpoint_1"
     os.makedirs(d)
     (d / "_METADATA").write_text("{}")
-    with pytest.raises(atomicstore.InvalidArgumentError, match="Orbax"):
+    with pytest.raises(atomicstore.CorruptionError, match="checkpoint_1.*Orbax") as info:
         ck.restore_checkpoint(tmp_path / "d", None)
+    assert info.value.path.endswith("checkpoint_1")
+
+
+def test_an_orbax_directory_without_orbax_installed_names_the_package(tmp_path):
+    d = tmp_path / "d" / "checkpoint_1"
+    os.makedirs(d)
+    (d / "_METADATA").write_text("{}")
+    code = ("import sys; sys.modules['orbax'] = None; sys.modules['orbax.checkpoint'] = None\n"
+            "import atomicstore\nfrom atomicstore.compat import flax as ck\n"
+            "try:\n    ck.restore_checkpoint(sys.argv[1], None)\n"
+            "except atomicstore.InvalidArgumentError as exc:\n    print('REFUSED', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "d")], capture_output=True, text=True,
+                         timeout=120)
+    assert "REFUSED" in out.stdout and "orbax-checkpoint" in out.stdout, out.stdout + out.stderr
 
 
 def test_invalid_checkpoint_error_is_caught_as_flax_s(tmp_path):

@@ -19,8 +19,10 @@ writing, coordination and region reads as the native multi-host save
 (:mod:`atomicstore.pytree.sharded`, :mod:`atomicstore.pytree.coordination`); see
 ``docs/multiprocess.md``.
 
-Not supported: ``orbax_checkpointer`` / Orbax checkpoints (use Orbax) and
-``gda_manager`` (accepted and ignored: no manager is needed).
+Orbax step directories (what flax >= 0.8 writes by default) are restored through Orbax,
+as flax restores them, so swapping the import loses no checkpoint; saving always writes
+the legacy format (``orbax_checkpointer`` is refused there). ``gda_manager`` is accepted
+and ignored: no manager is needed.
 """
 
 from __future__ import annotations
@@ -496,8 +498,6 @@ def restore_checkpoint(
     (:class:`~atomicstore.InvalidArgumentError`). Damaged data raises
     :class:`~atomicstore.CorruptionError` naming the file and leaf. Arrays saved across
     processes (``_gda``) are read back from their shards, checksums checked."""
-    if orbax_checkpointer is not None or orbax_transforms is not None:
-        raise InvalidArgumentError("Orbax checkpoints are not supported: restore them with Orbax")
     check_retention(prefix)
     ckpt_dir = safe_normpath(_fspath(ckpt_dir))
     start = time.monotonic()
@@ -511,7 +511,9 @@ def restore_checkpoint(
         if kind is None:
             log.info("found no checkpoint directory at %s", ckpt_dir)
             return target
-        if kind == "dir":
+        if kind == "dir" and _is_orbax(ckpt_dir, storage_options):  # the directory is one checkpoint
+            path = ckpt_dir
+        elif kind == "dir":
             latest = latest_checkpoint(ckpt_dir, prefix, storage_options=storage_options)
             if latest is None:
                 log.info("found no checkpoint files in %s with prefix %s", ckpt_dir, prefix)
@@ -522,14 +524,54 @@ def restore_checkpoint(
     parent, name = (path.rstrip("/").rsplit("/", 1) if _is_url(path) else os.path.split(os.path.abspath(path)))
     st = _store(parent, storage_options)
     if {e.name for e in st.driver.listdir(name)} & ORBAX_FILES:  # (a file lists nothing)
-        raise InvalidArgumentError(f"{path} is an Orbax checkpoint: restore it with Orbax "
-                                   "(flax writes Orbax unless flax_use_orbax_checkpointing is False)")
+        out = _restore_orbax(path, target, orbax_checkpointer, orbax_transforms)
+        record_event(READ_EVENT, time.monotonic() - start)
+        return out
     log.info("restoring legacy flax checkpoint from %s", path)
     out = restore_tree(f"{st.url}/{name}", target, store=st)
     if has_placeholders(out):
         out = restore_placeholders(st, name, out, target, allow_partial=allow_partial_mpa_restoration)
     record_event(READ_EVENT, time.monotonic() - start)
     return out
+
+
+# -- Orbax step directories (what flax >= 0.8 writes by default) ------------------------------------
+def _is_orbax(path: str, storage_options: Mapping[str, Any] | None) -> bool:
+    if not _is_url(path):
+        p = path.removeprefix("file://")
+        return any(os.path.exists(os.path.join(p, f)) for f in ORBAX_FILES)
+    st = _store(path, storage_options)
+    return any(st.driver.exists(f) for f in ORBAX_FILES)
+
+
+def _restore_orbax(path: str, target: Any, checkpointer: Any, transforms: dict | None) -> Any:
+    """Restore an Orbax checkpoint directory as flax's ``restore_checkpoint`` does (so a
+    user who swapped the import keeps every checkpoint flax wrote), through Orbax."""
+    try:
+        import orbax.checkpoint as ocp
+        from flax import serialization
+        from flax.training import orbax_utils
+    except ImportError as exc:
+        raise InvalidArgumentError(
+            f"{path} is an Orbax checkpoint (flax >= 0.8 writes them by default); restoring it needs "
+            f"the packages orbax-checkpoint and flax (pip install orbax-checkpoint flax): {exc}") from None
+    log.info("restoring Orbax checkpoint from %s through Orbax", path)
+    if checkpointer is None:
+        checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    elif isinstance(checkpointer, ocp.AsyncCheckpointer):
+        checkpointer.wait_until_finished()
+    kwargs: dict[str, Any] = {}
+    if target is not None:
+        kwargs["restore_args"] = orbax_utils.restore_args_from_target(target)
+        if isinstance(getattr(checkpointer, "_handler", None), ocp.PyTreeCheckpointHandler):
+            kwargs["transforms"] = orbax_utils.maybe_construct_transformations(target, transforms)
+    try:
+        restored = serialization.to_state_dict(checkpointer.restore(path, item=target, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - whatever Orbax raises, named as ours
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CorruptionError(f"{path}: Orbax could not restore this checkpoint: {type(exc).__name__}: {msg}",
+                              path=path) from exc
+    return serialization.from_state_dict(target, restored) if target is not None else restored
 
 
 # -- arrays of the _gda layout ------------------------------------------------------------------
