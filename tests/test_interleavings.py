@@ -251,6 +251,16 @@ def _fail_on(stats: sched.ExploreStats) -> None:
         pytest.fail(stats.failure_report(), pytrace=False)
 
 
+def _explore_all(label: str, variants: list, record_property: Any) -> None:
+    """Explore every schedule of each variant; report the total and fail on a violation."""
+    total = sched.ExploreStats(f"{label} ({len(variants)} fault variants)")
+    for variant in variants:
+        total.merge(sched.explore_exhaustive(variant))
+    _report(total, record_property)
+    assert not total.truncated
+    _fail_on(total)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scenario", list(EXHAUSTIVE))
 def test_every_interleaving(scenario: str, backend: str, record_property: Any) -> None:
@@ -263,12 +273,7 @@ def test_every_interleaving(scenario: str, backend: str, record_property: Any) -
     variants = [base]
     for actor, kinds, first in enumerations:
         variants += sched.fault_variants(base, actor, kinds, first=first)
-    total = sched.ExploreStats(f"{scenario} [{backend}] ({len(variants)} fault variants)")
-    for variant in variants:
-        total.merge(sched.explore_exhaustive(variant))
-    _report(total, record_property)
-    assert not total.truncated
-    _fail_on(total)
+    _explore_all(f"{scenario} [{backend}]", variants, record_property)
 
 
 # -- seeded random three-actor schedules ---------------------------------------------------
@@ -768,12 +773,7 @@ def test_multiprocess_save_x_second_job(backend: str, record_property: Any) -> N
     with ``flax_prefix`` leaves no garbage."""
     base = mp_save_x_second_job(backend)
     variants = [base, *_mp_fault_variants(base)]
-    total = sched.ExploreStats(f"mp save x second job [{backend}] ({len(variants)} fault variants)")
-    for variant in variants:
-        total.merge(sched.explore_exhaustive(variant))
-    _report(total, record_property)
-    assert not total.truncated
-    _fail_on(total)
+    _explore_all(f"mp save x second job [{backend}]", variants, record_property)
 
 
 @pytest.mark.usefixtures("_mp_inline")

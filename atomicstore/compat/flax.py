@@ -51,7 +51,7 @@ from ..pytree import DEFAULT_TIMEOUT, Session, StateWriter
 from ..pytree import restore as restore_tree
 from ..pytree.coordination import check_timeout, coordinated_save
 from ..pytree.dtypes import parse_dtype
-from ..pytree.format import Shard, check_shards
+from ..pytree.format import Shard, check_shards, dimension
 from ..pytree.sharded import ShardedLeaf, ShardReader, local_shards, restore_array, split_tree
 from ..pytree.tree import Path, rebuild, snapshot_tree, walk_leaves
 
@@ -244,6 +244,17 @@ def _step_of(name: str, prefix: str) -> float:
 
 
 # -- saving ------------------------------------------------------------------------------
+def _check_save(ckpt_dir: Any, step: Any, prefix: Any, keep: Any, keep_every_n_steps: Any, async_manager: Any,
+                orbax_checkpointer: Any) -> tuple[Any, str]:
+    """The arguments both saves share, checked: (step, normalised ckpt_dir)."""
+    if orbax_checkpointer is not None:
+        raise InvalidArgumentError("orbax_checkpointer is not supported: atomicstore writes flax's legacy format")
+    if async_manager is not None and not isinstance(async_manager, AsyncManager):
+        raise InvalidArgumentError("async_manager must be an atomicstore.compat.flax.AsyncManager")
+    check_retention(prefix, keep, keep_every_n_steps)
+    return check_step(step), safe_normpath(_fspath(ckpt_dir))
+
+
 def save_checkpoint(
     ckpt_dir: str | os.PathLike[str],
     target: PyTree,
@@ -269,13 +280,8 @@ def save_checkpoint(
     Raises :class:`~atomicstore.CommitConflictError` if another writer committed the step
     first.
     """
-    if orbax_checkpointer is not None:
-        raise InvalidArgumentError("orbax_checkpointer is not supported: atomicstore writes flax's legacy format")
-    if async_manager is not None and not isinstance(async_manager, AsyncManager):
-        raise InvalidArgumentError("async_manager must be an atomicstore.compat.flax.AsyncManager")
-    check_retention(prefix, keep, keep_every_n_steps)
-    step = check_step(step)
-    ckpt_dir = safe_normpath(_fspath(ckpt_dir))
+    step, ckpt_dir = _check_save(ckpt_dir, step, prefix, keep, keep_every_n_steps, async_manager,
+                                 orbax_checkpointer)
     start = time.monotonic()
     if async_manager:
         async_manager.wait_previous_save()
@@ -371,13 +377,8 @@ def save_checkpoint_multiprocess(
         return save_checkpoint(ckpt_dir, target, step, prefix, keep, overwrite, keep_every_n_steps,
                                async_manager, orbax_checkpointer, storage_options=storage_options)
     try:
-        if orbax_checkpointer is not None:
-            raise InvalidArgumentError("orbax_checkpointer is not supported: atomicstore writes flax's legacy format")
-        if async_manager is not None and not isinstance(async_manager, AsyncManager):
-            raise InvalidArgumentError("async_manager must be an atomicstore.compat.flax.AsyncManager")
-        check_retention(prefix, keep, keep_every_n_steps)
-        step = check_step(step)
-        ckpt_dir = safe_normpath(_fspath(ckpt_dir))
+        step, ckpt_dir = _check_save(ckpt_dir, step, prefix, keep, keep_every_n_steps, async_manager,
+                                     orbax_checkpointer)
         name = f"{prefix}{step}"
         path = _join(ckpt_dir, name)
         start = time.monotonic()
@@ -501,6 +502,7 @@ def restore_checkpoint(
     check_retention(prefix)
     ckpt_dir = safe_normpath(_fspath(ckpt_dir))
     start = time.monotonic()
+    orbax = False
     if step is not None:
         step = check_step(step)
         path = _join(ckpt_dir, f"{prefix}{step}")
@@ -512,7 +514,7 @@ def restore_checkpoint(
             log.info("found no checkpoint directory at %s", ckpt_dir)
             return target
         if kind == "dir" and _is_orbax(ckpt_dir, storage_options):  # the directory is one checkpoint
-            path = ckpt_dir
+            path, orbax = ckpt_dir, True
         elif kind == "dir":
             latest = latest_checkpoint(ckpt_dir, prefix, storage_options=storage_options)
             if latest is None:
@@ -523,7 +525,7 @@ def restore_checkpoint(
             path = ckpt_dir
     parent, name = (path.rstrip("/").rsplit("/", 1) if _is_url(path) else os.path.split(os.path.abspath(path)))
     st = _store(parent, storage_options)
-    if {e.name for e in st.driver.listdir(name)} & ORBAX_FILES:  # (a file lists nothing)
+    if orbax or _lists_orbax(st, name):
         out = _restore_orbax(path, target, orbax_checkpointer, orbax_transforms)
         record_event(READ_EVENT, time.monotonic() - start)
         return out
@@ -537,11 +539,18 @@ def restore_checkpoint(
 
 # -- Orbax step directories (what flax >= 0.8 writes by default) ------------------------------------
 def _is_orbax(path: str, storage_options: Mapping[str, Any] | None) -> bool:
-    if not _is_url(path):
+    """Is the directory ``path`` an Orbax checkpoint (it holds one of Orbax's files)?"""
+    if not _is_url(path):  # (no store opened: nothing is created beside the user's directory)
         p = path.removeprefix("file://")
         return any(os.path.exists(os.path.join(p, f)) for f in ORBAX_FILES)
-    st = _store(path, storage_options)
-    return any(st.driver.exists(f) for f in ORBAX_FILES)
+    parent, _, name = path.rstrip("/").rpartition("/")
+    if parent.endswith(":/"):  # a bucket
+        return _lists_orbax(_store(path, storage_options), "")
+    return _lists_orbax(_store(parent, storage_options), name)  # (the store _kind opened)
+
+
+def _lists_orbax(st: Store, name: str) -> bool:
+    return bool({e.name for e in st.driver.listdir(name)} & ORBAX_FILES)  # (a file lists nothing)
 
 
 def _restore_orbax(path: str, target: Any, checkpointer: Any, transforms: dict | None) -> Any:
@@ -590,12 +599,6 @@ def _parse_placeholder(leaf: str) -> tuple[str, str | None]:
     return (m.group(1), m.group(2)) if m else (body, None)
 
 
-def _count(n: Any) -> int:
-    if type(n) is not int or not 0 <= n < 2**62:
-        raise ValueError(f"bad dimension {n!r}")
-    return n
-
-
 def gda_arrays(st: Store, name: str, threads: int) -> tuple[Any, dict[str, ShardReader]]:
     """(the ``_gda`` checkpoint of step ``name``, a reader per array key), every length
     and checksum in ``arrays.json`` checked before anything is allocated."""
@@ -617,16 +620,16 @@ def gda_arrays(st: Store, name: str, threads: int) -> tuple[Any, dict[str, Shard
             if not isinstance(key, str):
                 raise ValueError("array key is not a string")
             dt = parse_dtype(a["dtype"], path=ARRAYS_FILE, leaf=key, where=where)
-            shape = tuple(_count(n) for n in a["shape"])
+            shape = tuple(dimension(n) for n in a["shape"])
             shards = []
             for sh in a["shards"]:
                 blocks = sh.get("blocks")
                 if blocks is not None and (not isinstance(blocks, list) or "crc32c" not in sh):
                     raise ValueError(f"shard {sh.get('file')!r}: bad block checksums")
-                shards.append(Shard(sh["file"], tuple(_count(n) for n in sh["start"]),
-                                    tuple(_count(n) for n in sh["shape"]), sh.get("crc32c"),
+                shards.append(Shard(sh["file"], tuple(dimension(n) for n in sh["start"]),
+                                    tuple(dimension(n) for n in sh["shape"]), sh.get("crc32c"),
                                     tuple(blocks) if blocks is not None else None,
-                                    _count(sh.get("block", 1)) or 1))
+                                    dimension(sh.get("block", 1)) or 1))
             check_shards(shards, shape, dt.itemsize, lambda f: files[f].size if f in files else None)
             if any(s.blocks is not None and any(type(c) is not int or not 0 <= c < 2**32 for c in s.blocks)
                    for s in shards):

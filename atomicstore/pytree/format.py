@@ -106,7 +106,8 @@ def shard_file(n: int, start: tuple[int, ...] | list[int]) -> str:
     return f"{SHARDS_DIR}/{n}/" + ("_".join(map(str, start)) or "0") + ".bin"
 
 
-def _count(n: Any) -> int:
+def dimension(n: Any) -> int:
+    """A dimension or offset read from storage: a non-negative int, else ValueError."""
     if type(n) is not int or not 0 <= n < 2**62:
         raise ValueError(f"bad dimension or offset {n!r}")
     return n
@@ -193,7 +194,7 @@ def parse_shards(raw: Any, block: Any) -> list[Shard]:
             raise ValueError(f"shard {file}: bad CRC32C")
         if type(blocks) is not list or any(type(c) is not int or not 0 <= c < 2**32 for c in blocks):
             raise ValueError(f"shard {file}: bad block checksums")
-        out.append(Shard(file, tuple(_count(n) for n in start), tuple(_count(n) for n in shape), crc,
+        out.append(Shard(file, tuple(dimension(n) for n in start), tuple(dimension(n) for n in shape), crc,
                          tuple(blocks), block))
     return out
 
@@ -436,5 +437,6 @@ def index_of_msgpack(read: Callable[[int, int], bytes], size: int, where: str) -
 __all__ = [
     "EXT_COMPLEX", "EXT_NDARRAY", "EXT_NPSCALAR", "FLAX_MAX_CHUNK", "INDEX_FILE", "INDEX_FORMAT",
     "SHARDED_PH", "SHARD_BLOCK", "STATE_FILE", "Index", "Leaf", "Shard", "aligned_empty", "bytes_view", "check_shards",
+    "dimension",
     "index_of_msgpack", "parse_index", "parse_shards", "shard_file", "split_url",
 ]

@@ -148,12 +148,9 @@ def snapshot_tree(tree: Any, copy_numpy: bool) -> Any:
     """A copy of ``tree`` that later mutation of the caller's arrays cannot change: jax
     arrays are copied to host (all transfers started first), numpy arrays copied unless
     the caller promised not to mutate them."""
-    started = []
-
     def start(path: Any, leaf: Any) -> Any:
         if is_jax_array(leaf) and getattr(leaf, "is_fully_addressable", True):
             leaf.copy_to_host_async()
-            started.append(leaf)
         return leaf
 
     rebuild(tree, start)

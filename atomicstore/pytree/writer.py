@@ -250,6 +250,15 @@ def _progress_printer(total: int) -> Callable[[int], None]:
     return show
 
 
+def _cast_dtype(cast_dtype: Any) -> np.dtype | None:
+    if cast_dtype is None:
+        return None
+    try:
+        return np.dtype(cast_dtype)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"cast_dtype: {exc}") from None
+
+
 class StateWriter:
     """Streams ``tree`` in flax's msgpack format into a file-like object with
     ``write(data, crc32c=None)``, recording the index as it goes. Arguments as for
@@ -259,11 +268,7 @@ class StateWriter:
 
     def __init__(self, tree: Any, *, cast_dtype: Any = None, gather_fns: Any = None,
                  progress: bool | Callable[[int], None] = False, sort_keys: bool = True) -> None:
-        if cast_dtype is not None:
-            try:
-                cast_dtype = np.dtype(cast_dtype)
-            except TypeError as exc:
-                raise InvalidArgumentError(f"cast_dtype: {exc}") from None
+        cast_dtype = _cast_dtype(cast_dtype)
         self.tree = tree
         self.opts = _SaveOptions(cast_dtype, per_leaf_fn(gather_fns, "gather_fns"), sort_keys)
         self.index: list = []
@@ -307,11 +312,7 @@ class PreparedSave:
     def __init__(self, tree: Any, *, cast_dtype: Any = None, gather_fns: Any = None,
                  progress: bool | Callable[[int], None] = False, sort_keys: bool = True,
                  session: Session | None = None, snapshot: bool = False, copy: bool = True) -> None:
-        if cast_dtype is not None:
-            try:
-                cast_dtype = np.dtype(cast_dtype)
-            except TypeError as exc:
-                raise InvalidArgumentError(f"cast_dtype: {exc}") from None
+        cast_dtype = _cast_dtype(cast_dtype)
         self.session = session
         self.leaves: list[ShardedLeaf] = []
         self.shards: list[LocalShard] = []
@@ -414,8 +415,7 @@ def save(
         timeout: multi-host only: seconds to wait for the other processes.
         **storage_options: passed to :func:`open_store`.
     """
-    session = Session.begin(f"save of {os.fspath(url_or_path) if isinstance(url_or_path, os.PathLike | str) else '?'}",
-                            check_timeout(timeout))
+    session = Session.begin(f"save of {url_or_path}", check_timeout(timeout))
     try:
         root, name = split_url(url_or_path)
         job = PreparedSave(tree, cast_dtype=cast_dtype, gather_fns=gather_fns, progress=progress, session=session)
