@@ -1,0 +1,628 @@
+"""PyTorch distributed checkpoint (DCP) storage that commits through atomicstore.
+
+:class:`AtomicStorageWriter` and :class:`AtomicStorageReader` implement
+``torch.distributed.checkpoint.StorageWriter`` / ``StorageReader``::
+
+    import torch.distributed.checkpoint as dcp
+    from atomicstore.integrations.torch import AtomicStorageReader, AtomicStorageWriter
+
+    dcp.save(state_dict, storage_writer=AtomicStorageWriter("s3://bucket/run/step_100"))
+    dcp.load(state_dict, storage_reader=AtomicStorageReader("s3://bucket/run/step_100"))
+
+The URL names one checkpoint: ``<store>/<name>``. DCP's planners decide what each rank
+writes (``DTensor``, sharded state dicts, resharding on load); atomicstore does the storage:
+
+* the coordinator opens one attempt (a transaction, with its lease) when it makes the
+  global plan; a committed ``name`` is refused there (:class:`~atomicstore.CommitConflictError`,
+  unless ``overwrite=True``), before any rank writes a byte;
+* every rank streams its ``__<rank>_<n>.distcp`` files into that attempt, computing a
+  CRC32C per file and per item; an error in any rank or any writer thread fails the save;
+* the coordinator commits once, in ``finish``, with ``.metadata`` and every rank's files
+  in the manifest: the checkpoint is visible iff complete, and one writer wins a name.
+
+The files are DCP's own (``torch.save`` per item, ``.metadata`` pickled by DCP with the
+stock per-item records), so a committed checkpoint on local disk is also readable by the
+stock ``FileSystemReader``. atomicstore adds ``manifest.json`` and
+``atomicstore-dcp.json`` (the CRC32C of every item, so a ranged read is verified).
+
+A save that fails after the global plan leaves its attempt open on the coordinator until
+the writer is used again (``reset``), leaves a ``with`` block, is :meth:`aborted
+<AtomicStorageWriter.abort>` or garbage-collected, or the process exits; a coordinator that
+dies leaves it to recovery (``store.recover()``) once its lease has expired.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import json
+import os
+import pickle
+import threading
+import weakref
+from typing import IO, Any, cast
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..commit import Checkpoint, Store, Transaction, open_store
+from ..commit.manifest import crc32c, crc32c_combine
+from ..drivers import Writer
+from ..errors import (
+    AtomicStoreError,
+    ChecksumMismatchError,
+    CorruptionError,
+    InvalidArgumentError,
+    NotFoundError,
+    TransactionError,
+)
+from ..pytree import split_url
+
+__all__ = ["ITEMS_FILE", "METADATA_FILE", "AtomicStorageReader", "AtomicStorageWriter", "atomicstore_error", "load",
+           "save"]
+
+#: DCP's metadata file (pickled :class:`~torch.distributed.checkpoint.metadata.Metadata`)
+METADATA_FILE = ".metadata"
+#: atomicstore's record of every item's byte range and CRC32C, per file
+ITEMS_FILE = "atomicstore-dcp.json"
+DCP_VERSION = "1.0.0"  # what the stock writer records in Metadata.version
+SUFFIX = ".distcp"
+
+
+# -- what travels between ranks (pickled by DCP's collectives) -------------------------------
+@dataclasses.dataclass(frozen=True)
+class AttemptPlan:
+    """The coordinator's answer to one rank's local plan: where to write, and the file
+    name prefix of that rank (``__<rank>_``, as the stock writer)."""
+
+    prefix: str
+    files: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemRecord:
+    """One written item: where it is, its CRC32C, and its file's final size and CRC32C."""
+
+    file: str
+    offset: int
+    length: int
+    crc32c: int
+    file_size: int
+    file_crc32c: int
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _split(checkpoint_id: str | os.PathLike[str]) -> tuple[str, str]:
+    """(store root, checkpoint name); a plain path is made absolute."""
+    if isinstance(checkpoint_id, os.PathLike):
+        checkpoint_id = os.fspath(checkpoint_id)
+    if not isinstance(checkpoint_id, str):
+        raise InvalidArgumentError(f"checkpoint id must be a path or URL string, not {type(checkpoint_id).__name__}")
+    if "://" not in checkpoint_id and checkpoint_id.strip():
+        checkpoint_id = os.path.abspath(checkpoint_id)
+    return split_url(checkpoint_id)
+
+
+def _is_url(checkpoint_id: object) -> bool:
+    try:
+        _split(checkpoint_id)  # type: ignore[arg-type]
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+class _ItemStream(io.RawIOBase):
+    """The stream ``torch.save`` writes one file through: forwards to a driver writer,
+    keeping the file's size and CRC32C and the CRC32C of the current item (one pass)."""
+
+    def __init__(self, writer: Writer) -> None:
+        self._w = writer
+        self.size = 0
+        self.crc = 0
+        self.item_crc = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = mv.nbytes
+        if n:
+            c = crc32c(mv)
+            self._w.write(mv)
+            self.crc = crc32c_combine(self.crc, c, n)
+            self.item_crc = crc32c_combine(self.item_crc, c, n)
+            self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def seekable(self) -> bool:
+        return False
+
+
+def _buckets(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
+    """Items split over ``n`` files by size (the stock writer's rule), empty files dropped."""
+    def size(wi: WriteItem) -> int:
+        if wi.tensor_data is None:
+            return 0
+        return int(torch.Size(wi.tensor_data.size).numel()) * torch.empty((), dtype=wi.tensor_data.properties.dtype).element_size()
+
+    if n <= 1:
+        return [items] if items else []
+    out: list[list[WriteItem]] = [[] for _ in range(n)]
+    load = [0] * n
+    byte_items = [wi for wi in items if wi.type == WriteItemType.BYTE_IO]
+    for i, wi in enumerate(byte_items):
+        out[i % n].append(wi)
+    for wi in sorted((wi for wi in items if wi.type != WriteItemType.BYTE_IO), key=size, reverse=True):
+        k = load.index(min(load))
+        out[k].append(wi)
+        load[k] += size(wi)
+    return [b for b in out if b]
+
+
+def _abort(holder: list[Transaction | None]) -> None:
+    txn = holder[0]
+    holder[0] = None
+    if txn is not None:
+        txn.abort()
+
+
+# -- writer -------------------------------------------------------------------------------
+class AtomicStorageWriter(StorageWriter):
+    """A DCP ``StorageWriter`` whose checkpoint becomes visible only complete, once.
+
+    Args:
+        checkpoint_id: ``<store>/<name>``: a local path or an ``s3://``/``gs://``/fsspec URL
+            (DCP's ``checkpoint_id=`` may name another one per save).
+        overwrite: replace a committed checkpoint of that name in one atomic step
+            (compare-and-swap: a concurrent overwrite makes one of them fail); by default a
+            committed name is refused with :class:`~atomicstore.CommitConflictError`.
+        thread_count: files (and threads) each rank writes at once.
+        store_options: passed to :func:`~atomicstore.open_store` (``retry``,
+            ``lease_ttl``, ``writer_id``, fsspec storage options such as ``endpoint_url``).
+
+    Usable as a context manager: leaving the block aborts a save that did not commit.
+    """
+
+    def __init__(self, checkpoint_id: str | os.PathLike[str], *, overwrite: bool = False, thread_count: int = 1,
+                 **store_options: Any) -> None:
+        super().__init__()
+        if not isinstance(overwrite, bool):
+            raise InvalidArgumentError("overwrite must be a bool")
+        if not isinstance(thread_count, int) or isinstance(thread_count, bool) or not 1 <= thread_count <= 64:
+            raise InvalidArgumentError("thread_count must be an int from 1 to 64")
+        self.root, self.name = _split(checkpoint_id)
+        self.overwrite = overwrite
+        self.thread_count = thread_count
+        self.store_options = dict(store_options)
+        self.is_coordinator = False
+        self.rank = 0
+        self._store: Store | None = None
+        self._txn: list[Transaction | None] = [None]
+        self._finalizer = weakref.finalize(self, _abort, self._txn)
+        self.save_id = os.urandom(8).hex()
+
+    # pickled by DCP's process-based async executor: the store is reopened on the other side
+    def __getstate__(self) -> dict[str, Any]:
+        if self._txn[0] is not None:
+            raise TransactionError("an AtomicStorageWriter cannot be pickled in the middle of a save")
+        state = self.__dict__.copy()
+        state["_store"] = None
+        del state["_txn"], state["_finalizer"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._txn = [None]
+        self._finalizer = weakref.finalize(self, _abort, self._txn)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.root}/{self.name}"
+
+    @property
+    def store(self) -> Store:
+        """The store holding the checkpoint (opened on first use)."""
+        if self._store is None or self._store.url.rstrip("/") != self.root.rstrip("/"):
+            self._store = open_store(self.root, **self.store_options)
+        return self._store
+
+    @property
+    def transaction(self) -> Transaction | None:
+        """The coordinator's open attempt between the global plan and ``finish``."""
+        return self._txn[0]
+
+    def abort(self) -> None:
+        """Abort a save in flight (its attempt's data is removed). Idempotent."""
+        _abort(self._txn)
+
+    def __enter__(self) -> AtomicStorageWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+    # -- StorageWriter ------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.abort()  # a save that failed after the global plan never reached finish
+        if checkpoint_id:
+            self.root, self.name = _split(checkpoint_id)
+        self.save_id = os.urandom(8).hex()
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise InvalidArgumentError(
+                "AtomicStorageWriter needs use_collectives=True: one commit of every rank's files needs the "
+                "ranks to agree")
+        self.is_coordinator = bool(is_coordinator)
+        self.rank = int(kwargs.get("rank") or 0)
+        self.store  # noqa: B018 - open (and validate the URL) in every rank before any data moves
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self.abort()
+        # the conflict check and the lease come first: a committed name fails every rank
+        # here, before any rank writes
+        txn = self.store.transaction(self.name, metadata={"format": "torch.distributed.checkpoint"},
+                                     overwrite=self.overwrite)
+        self._txn[0] = txn
+        return [dataclasses.replace(p, storage_data=AttemptPlan(txn.prefix, f"__{i}_")) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        where = plan.storage_data
+        if not isinstance(where, AttemptPlan):
+            raise TransactionError("AtomicStorageWriter.write_data: the plan was not made by AtomicStorageWriter "
+                                   "(prepare_global_plan)")
+        jobs = [(f"{where.files}{n}{SUFFIX}", items) for n, items in enumerate(_buckets(plan.items, self.thread_count))]
+        driver = self.store.driver
+
+        def one(file: str, items: list[WriteItem]) -> list[WriteResult]:
+            w = driver.open_writer(f"{where.prefix}/{file}")
+            stream = _ItemStream(w)
+            spans: list[tuple[WriteItem, int, int, int]] = []
+            try:
+                # bytes first, then tensors, as the stock writer
+                for wi in sorted(items, key=lambda x: x.type != WriteItemType.BYTE_IO):
+                    data = planner.resolve_data(wi)
+                    start = stream.size
+                    stream.item_crc = 0
+                    if wi.type == WriteItemType.BYTE_IO:
+                        if not isinstance(data, io.BytesIO):
+                            raise InvalidArgumentError(f"item {wi.index.fqn}: planner resolved {type(data).__name__}, "
+                                                       "expected io.BytesIO")
+                        stream.write(data.getbuffer())
+                    else:
+                        if not isinstance(data, torch.Tensor):
+                            raise InvalidArgumentError(f"item {wi.index.fqn}: planner resolved {type(data).__name__}, "
+                                                       "expected a tensor")
+                        torch.save(data.detach().cpu(), cast(IO[bytes], stream))
+                    spans.append((wi, start, stream.size - start, stream.item_crc))
+                w.close()
+            except BaseException:
+                w.abort()
+                raise
+            return [WriteResult(index=wi.index, size_in_bytes=n,
+                                storage_data=ItemRecord(file, off, n, c, stream.size, stream.crc))
+                    for wi, off, n, c in spans]
+
+        # errors are raised here, not stored in the returned future: a torch Future holding
+        # an exception whose traceback reaches this frame is a cycle Python's GC cannot see
+        # through, and it would keep this writer (and its attempt) alive
+        if len(jobs) <= 1:
+            results = [r for f, items in jobs for r in one(f, items)]
+        else:
+            # every thread is waited for, and the first error (from any thread) raised
+            with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+                parts = [pool.submit(one, f, items) for f, items in jobs]
+                results = [r for p in parts for r in p.result()]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        txn = self._txn[0]
+        if txn is None:
+            raise TransactionError(f"finish of {self.checkpoint_id}: no save in flight (aborted, or already "
+                                   "committed)")
+        try:
+            storage: dict[MetadataIndex, _StorageInfo] = {}
+            items: dict[str, list[list[int]]] = {}
+            files: dict[str, tuple[int, int]] = {}
+            for wr in (wr for rank in results for wr in rank):
+                rec = wr.storage_data
+                if not isinstance(rec, ItemRecord):
+                    raise TransactionError(f"finish of {self.checkpoint_id}: a write result of {wr.index.fqn} "
+                                           "was not written by AtomicStorageWriter")
+                if files.setdefault(rec.file, (rec.file_size, rec.file_crc32c)) != (rec.file_size, rec.file_crc32c):
+                    raise TransactionError(f"finish of {self.checkpoint_id}: {rec.file} reported twice")
+                storage[wr.index] = _StorageInfo(rec.file, rec.offset, rec.length)
+                items.setdefault(rec.file, []).append([rec.offset, rec.length, rec.crc32c])
+            metadata.version = DCP_VERSION
+            metadata.storage_data = storage
+            metadata.storage_meta = self.storage_meta()
+            for file, (size, crc) in sorted(files.items()):
+                txn.adopt(file, size, crc)
+            txn.write_bytes(ITEMS_FILE, json.dumps({"version": 1, "items": items}, sort_keys=True).encode())
+            txn.write_bytes(METADATA_FILE, pickle.dumps(metadata))
+            self._txn[0] = None
+            txn.commit()
+        except BaseException:
+            _abort(self._txn)
+            if not txn.committed:
+                txn.abort()
+            raise
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _is_url(checkpoint_id)
+
+
+# -- reader -------------------------------------------------------------------------------
+class AtomicStorageReader(StorageReader):
+    """A DCP ``StorageReader`` that reads only a committed checkpoint and verifies every
+    item it reads against its CRC32C.
+
+    An uncommitted (or missing) checkpoint raises :class:`~atomicstore.NotFoundError`; a
+    damaged one :class:`~atomicstore.ChecksumMismatchError` or
+    :class:`~atomicstore.CorruptionError` naming the file and item. DCP wraps errors
+    raised while loading in its ``CheckpointException`` (its ``failures`` maps each rank to
+    the error).
+
+    Args:
+        checkpoint_id: ``<store>/<name>`` as for :class:`AtomicStorageWriter`.
+        thread_count: files read at once by each rank.
+        store_options: passed to :func:`~atomicstore.open_store`.
+    """
+
+    def __init__(self, checkpoint_id: str | os.PathLike[str], *, thread_count: int = 8, **store_options: Any) -> None:
+        super().__init__()
+        if not isinstance(thread_count, int) or isinstance(thread_count, bool) or not 1 <= thread_count <= 64:
+            raise InvalidArgumentError("thread_count must be an int from 1 to 64")
+        self.root, self.name = _split(checkpoint_id)
+        self.thread_count = thread_count
+        self.store_options = dict(store_options)
+        self._store: Store | None = None
+        self._ckpt: Checkpoint | None = None
+        self._items: dict[tuple[str, int], tuple[int, int]] = {}
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self.load_id = os.urandom(8).hex()
+        #: why the last ``read_metadata`` failed (DCP reports it only as text)
+        self.metadata_error: AtomicStoreError | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__ | {"_store": None, "_ckpt": None}
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.root}/{self.name}"
+
+    @property
+    def store(self) -> Store:
+        if self._store is None or self._store.url.rstrip("/") != self.root.rstrip("/"):
+            self._store = open_store(self.root, **self.store_options)
+        return self._store
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.root, self.name = _split(checkpoint_id)
+        self._ckpt = None
+        self._items = {}
+        self.storage_data = {}
+        self.load_id = os.urandom(8).hex()
+
+    def _open(self) -> Checkpoint:
+        if self._ckpt is None:
+            try:
+                self._ckpt = self.store.open(self.name)
+            except NotFoundError as exc:
+                raise NotFoundError(f"{self.checkpoint_id}: no committed checkpoint ({exc})") from None
+        return self._ckpt
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # DCP turns an error here into an AssertionError quoting it: keep ours for load()
+        try:
+            return self._read_metadata()
+        except AtomicStoreError as exc:
+            self.metadata_error = exc
+            raise
+
+    def _read_metadata(self) -> Metadata:
+        ckpt = self._open()
+        for f in (METADATA_FILE, ITEMS_FILE):
+            if f not in ckpt.files:
+                raise CorruptionError(f"{ckpt.where(f)}: missing: {self.checkpoint_id} is not a DCP checkpoint "
+                                      "written by AtomicStorageWriter", path=f)
+        raw = ckpt.read_bytes(METADATA_FILE)  # verified against the manifest before unpickling
+        try:
+            metadata = pickle.loads(raw)
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure is a damaged file
+            raise CorruptionError(f"{ckpt.where(METADATA_FILE)}: unreadable DCP metadata ({exc})",
+                                  path=METADATA_FILE) from None
+        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+            raise CorruptionError(f"{ckpt.where(METADATA_FILE)}: not DCP metadata", path=METADATA_FILE)
+        self._items = self._parse_items(ckpt)
+        meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        meta.load_id = self.load_id
+        metadata.storage_meta = meta
+        return metadata
+
+    def _parse_items(self, ckpt: Checkpoint) -> dict[tuple[str, int], tuple[int, int]]:
+        try:
+            doc = json.loads(ckpt.read_bytes(ITEMS_FILE))
+            out = {}
+            for file, spans in doc["items"].items():
+                if file not in ckpt.files:
+                    raise ValueError(f"names {file!r}, which is not in the checkpoint")
+                for off, n, crc in spans:
+                    if not all(isinstance(v, int) and v >= 0 for v in (off, n, crc)) or off + n > ckpt.files[file].size:
+                        raise ValueError(f"bad span {[off, n, crc]!r} of {file}")
+                    out[(file, off)] = (n, crc)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise CorruptionError(f"{ckpt.where(ITEMS_FILE)}: malformed ({exc})", path=ITEMS_FILE) from None
+        return out
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        if not self._items:
+            self._open()
+            self._items = self._parse_items(self._open())
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _read_item(self, ckpt: Checkpoint, req: ReadItem) -> bytes:
+        info = self.storage_data.get(req.storage_index)
+        fqn = req.storage_index.fqn
+        if not isinstance(info, _StorageInfo):
+            raise CorruptionError(f"{ckpt.where(METADATA_FILE)}: no storage record for {fqn}", path=METADATA_FILE,
+                                  leaf=fqn)
+        file, off = info.relative_path, info.offset
+        expected = self._items.get((file, off))
+        if expected is None or expected[0] != info.length:
+            raise CorruptionError(f"{ckpt.where(file)}: {fqn} at [{off}, {off + info.length}) has no checksum record",
+                                  path=file, leaf=fqn)
+        data = ckpt.read_range(file, off, off + info.length)
+        if crc32c(data) != expected[1]:
+            raise ChecksumMismatchError(f"{ckpt.where(file)}: item {fqn} at [{off}, {off + info.length}) fails its "
+                                        "CRC32C check", path=file, leaf=fqn)
+        return data
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        ckpt = self._open()
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            info = self.storage_data.get(req.storage_index)
+            per_file.setdefault(getattr(info, "relative_path", ""), []).append(req)
+        lock = threading.Lock()  # the planner is not thread-safe; reads and checks run in parallel
+
+        def one(reqs: list[ReadItem]) -> None:
+            for req in reqs:
+                data = self._read_item(ckpt, req)
+                fqn = req.storage_index.fqn
+                if req.type == LoadItemType.BYTE_IO:
+                    with lock:
+                        planner.load_bytes(req, io.BytesIO(data))
+                    continue
+                try:
+                    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                except Exception as exc:  # noqa: BLE001 - the bytes passed their CRC: a foreign writer
+                    raise CorruptionError(f"{ckpt.where(self.storage_data[req.storage_index].relative_path)}: "
+                                          f"item {fqn} is not a saved tensor ({exc})", leaf=fqn) from None
+                try:
+                    tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+                except (RuntimeError, IndexError, ValueError) as exc:
+                    raise CorruptionError(f"{self.checkpoint_id}: item {fqn}: the plan's region is outside the "
+                                          f"saved chunk ({exc})", leaf=fqn) from None
+                with lock:
+                    target = planner.resolve_tensor(req).detach()
+                    if target.size() != tensor.size():
+                        raise CorruptionError(f"{self.checkpoint_id}: item {fqn} has size {tuple(tensor.size())}, "
+                                              f"the plan expects {tuple(target.size())}", leaf=fqn)
+                    target.copy_(tensor)
+                    planner.commit_tensor(req, target)
+
+        groups = [per_file[f] for f in sorted(per_file)]
+        if len(groups) <= 1 or self.thread_count <= 1:
+            for g in groups:
+                one(g)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(min(self.thread_count, len(groups))) as pool:
+                for p in [pool.submit(one, g) for g in groups]:
+                    p.result()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _is_url(checkpoint_id)
+
+
+def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    """The part of a saved chunk a read item asks for (DCP's narrow_tensor_by_index)."""
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if start != 0 or length != tensor.size(dim):
+            tensor = torch.narrow(tensor, dim, start, length)
+    return tensor
+
+
+# -- conveniences: DCP's calls with atomicstore's errors unwrapped ---------------------------
+def atomicstore_error(exc: BaseException) -> AtomicStoreError | None:
+    """The atomicstore error behind a DCP ``CheckpointException`` (that of the lowest rank
+    that raised one), ``exc`` itself if it is one, else None."""
+    if isinstance(exc, AtomicStoreError):
+        return exc
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for _, wrapped in sorted(failures.items(), key=lambda kv: kv[0]):
+            inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+            if isinstance(inner, AtomicStoreError):
+                return inner
+    return None
+
+
+def _unwrapped(call: Any, reader: AtomicStorageReader | None = None) -> Any:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return call()
+    except CheckpointException as exc:
+        inner = atomicstore_error(exc) or (reader.metadata_error if reader is not None else None)
+        if inner is None:
+            raise
+        raise inner from exc
+
+
+def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, overwrite: bool = False,
+         thread_count: int = 1, planner: SavePlanner | None = None, process_group: Any = None,
+         **store_options: Any) -> Metadata:
+    """``dcp.save`` through :class:`AtomicStorageWriter`, called by every rank. An
+    atomicstore error in any rank (e.g. :class:`~atomicstore.CommitConflictError`) is raised
+    as itself, DCP's ``CheckpointException`` as its cause; the attempt of a failed save is
+    aborted before this returns."""
+    import torch.distributed.checkpoint as dcp
+
+    if not isinstance(state_dict, dict):
+        raise InvalidArgumentError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    with AtomicStorageWriter(checkpoint_id, overwrite=overwrite, thread_count=thread_count, **store_options) as w:
+        return _unwrapped(lambda: dcp.save(state_dict, storage_writer=w, planner=planner,
+                                           process_group=process_group))
+
+
+def load(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, planner: LoadPlanner | None = None,
+         process_group: Any = None, thread_count: int = 8, **store_options: Any) -> None:
+    """``dcp.load`` (in place, resharding onto ``state_dict``'s layout) through
+    :class:`AtomicStorageReader`; atomicstore errors are raised as themselves (e.g.
+    :class:`~atomicstore.ChecksumMismatchError` naming the file and item)."""
+    import torch.distributed.checkpoint as dcp
+
+    if not isinstance(state_dict, dict):
+        raise InvalidArgumentError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    reader = AtomicStorageReader(checkpoint_id, thread_count=thread_count, **store_options)
+    _unwrapped(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group),
+               reader)
