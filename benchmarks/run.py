@@ -7,6 +7,7 @@ during the operation minus RSS before it). Prints a Markdown table with ratios.
     nox -s bench -- --quick       # smaller sizes, for a smoke run
     nox -s bench -- --only multihost               # only the multi-process table (1 and 4 GiB)
     nox -s bench -- --only multihost --mp-sizes 1024 --mp-procs 1,2
+    nox -s bench -- --only integrations            # torch DCP and Orbax: stock storage vs atomicstore
 """
 
 from __future__ import annotations
@@ -305,6 +306,10 @@ CASES["boto3_s3_save"] = case_boto3_s3_save
 CASES["atomicstore_s3_save"] = case_atomicstore_s3_save
 for _c in ("memcpy_async", "atomicstore_async", "d2h_async", "atomicstore_jax_async"):
     CASES[_c] = globals()[f"case_{_c}"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import integrations  # noqa: E402  (the torch DCP and Orbax cases: benchmarks/integrations.py)
+
+CASES.update(integrations.CASES)
 
 
 def measure_multiprocess(total: int, nproc: int, repeat: int) -> dict:
@@ -443,8 +448,9 @@ def main() -> None:
     ap.add_argument("--leaf", type=int, default=ARRAY_BYTES)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="256 MiB instead of 1 GiB, no 4 GiB case")
-    ap.add_argument("--only", choices=["all", "single", "multihost"], default="all",
-                    help="single: the one-process cases against the anchors; multihost: the multi-process table")
+    ap.add_argument("--only", choices=["all", "single", "multihost", "integrations"], default="all",
+                    help="single: the one-process cases against the anchors; multihost: the multi-process table; "
+                         "integrations: torch DCP and Orbax, stock storage against atomicstore's")
     ap.add_argument("--mp-sizes", default=None,
                     help="multi-process array sizes in MiB, comma-separated (default: --bytes and 4 x --bytes; "
                          "--quick: 256)")
@@ -457,6 +463,9 @@ def main() -> None:
     total = 256 * MiB if args.quick else args.bytes
     if args.only in ("all", "single"):
         single_table(args, total)
+    if args.only in ("all", "integrations"):
+        table([(title, size, ARRAY_BYTES, op, libs) for title, size, op, libs in integrations.groups(total)],
+              args.repeat, "the stock storage of the same library")
     if args.only in ("all", "multihost"):
         if args.mp_sizes:
             sizes = [int(float(x) * MiB) for x in args.mp_sizes.split(",")]
@@ -482,17 +491,22 @@ def single_table(args: argparse.Namespace, total: int) -> None:
                    ["memcpy", "atomicstore"]))
     groups.append((f"async save, jax, {total // MiB} MiB: caller blocked", total, ARRAY_BYTES, "async",
                    ["d2h", "atomicstore_jax"]))
+    table(groups, args.repeat, "raw I/O, flax legacy for small leaves, boto3 for S3")
+
+
+def table(groups: list[tuple[str, int, int, str, list[str]]], repeat: int, anchor: str) -> None:
+    """Measure each group's cases and print a Markdown table of ratios to its first row."""
     rows = []
     for title, size, leaf, op, libs in groups:
         base = None
         for lib in libs:
-            r = measure(f"{lib}_{op}", size, args.repeat, leaf)
+            r = measure(f"{lib}_{op}", size, repeat, leaf)
             base = base or r["time"]
             rows.append((title, lib, r, r["time"] / base))
             print(f"{title:45s} {lib:12s} {r['time']:8.3f} s  x{r['time'] / base:5.2f}  "
                   f"+{r['extra'] / MiB:6.0f} MiB", file=sys.stderr, flush=True)
-    print(f"\nmedian of {args.repeat} runs, each case in its own process; ratio against the first row "
-          "of each group (raw I/O, flax legacy for small leaves, boto3 for S3)\n")
+    print(f"\nmedian of {repeat} runs, each case in its own process; ratio against the first row "
+          f"of each group ({anchor})\n")
     print("| benchmark | library | time (s) | x anchor | extra peak RSS (MiB) |")
     print("|---|---|---:|---:|---:|")
     for title, lib, r, ratio in rows:

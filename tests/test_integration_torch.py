@@ -228,6 +228,31 @@ def test_a_flipped_byte_raises_checksum_mismatch_naming_file_and_item(kind, requ
         st.verify("step_7")
 
 
+@pytest.mark.parametrize("where", ["zip header", "tensor bytes", "zip directory"])
+def test_large_items_read_straight_into_the_tensor_are_verified_too(tmp_path, quiet, where):
+    # items of 1 MiB or more are read by torch.load directly into the tensor's memory,
+    # their CRC32C assembled from the ranges read: a flipped byte anywhere is still caught
+    big = torch.arange(2**19, dtype=torch.float32)  # 2 MiB
+    url = str(tmp_path / "store" / "step_1")
+    save({"big": big, "small": torch.ones(3)}, url)
+    got = {"big": torch.zeros_like(big), "small": torch.zeros(3)}
+    load(got, url)
+    assert torch.equal(got["big"], big) and torch.equal(got["small"], torch.ones(3))
+    st = atomicstore.open_store(str(tmp_path / "store"))
+    ck = st.open("step_1")
+    items = json.loads(ck.read_bytes(ITEMS_FILE))["items"]
+    file, (off, n, _) = next((f, it) for f, its in items.items() for it in its if it[1] > 2**20)
+    at = {"zip header": off + 40, "tensor bytes": off + n // 2, "zip directory": off + n - 30}[where]
+    raw = bytearray(st.driver.read(ck.key(file)))
+    raw[at] ^= 0x40
+    st.driver.put(ck.key(file), bytes(raw))
+    got = {"big": torch.zeros_like(big), "small": torch.zeros(3)}
+    with pytest.raises(atomicstore.ChecksumMismatchError) as ei:
+        load(got, url)
+    assert ei.value.path == file and ei.value.leaf == "big", ei.value
+    assert not got["big"].any()  # checked before anything reached the caller's tensor
+
+
 def test_overwrite_replaces_atomically_and_a_committed_name_is_refused_without_it(tmp_path, quiet):
     url = str(tmp_path / "store" / "step_1")
     save(full(1.0), url)

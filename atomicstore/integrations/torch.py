@@ -34,6 +34,7 @@ dies leaves it to recovery (``store.recover()``) once its lease has expired.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import io
 import json
@@ -41,6 +42,7 @@ import os
 import pickle
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import IO, Any, cast
 
 import torch
@@ -175,6 +177,94 @@ def _buckets(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
         out[k].append(wi)
         load[k] += size(wi)
     return [b for b in out if b]
+
+
+#: items at least this large are read by torch.load straight from storage (_ItemFile)
+_DIRECT_READ = 1 << 20
+_EDGE = 64 << 10
+
+
+class _ItemFile(io.RawIOBase):
+    """One item's byte range of a checkpoint file, as the seekable file ``torch.load``
+    reads: its small reads (zip headers, directory) are served from the first and last
+    64 KiB read up front; a large read (the tensor's bytes) goes straight from storage into
+    the caller's buffer, the tensor's own memory: one copy, as the stock reader makes.
+    Every range read is CRC32C'd, so :meth:`crc32c` checks the whole item afterwards
+    without a second copy (only bytes torch never read are read again, a few KiB)."""
+
+    def __init__(self, ckpt: Checkpoint, file: str, offset: int, length: int) -> None:
+        super().__init__()
+        self.ckpt, self.file, self.offset, self.length = ckpt, file, offset, length
+        self.pos = 0
+        self.head = ckpt.read_range(file, offset, offset + min(length, _EDGE))
+        self.tail_at = max(len(self.head), length - _EDGE)
+        self.tail = ckpt.read_range(file, offset + self.tail_at, offset + length)
+        self.spans = [(0, len(self.head), crc32c(self.head)), (self.tail_at, len(self.tail), crc32c(self.tail))]
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = (0, self.pos, self.length)[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = max(0, min(mv.nbytes, self.length - self.pos))
+        a = self.pos
+        if a + n <= len(self.head):
+            mv[:n] = self.head[a : a + n]
+        elif a >= self.tail_at:
+            mv[:n] = self.tail[a - self.tail_at : a - self.tail_at + n]
+        elif n:
+            self.ckpt.read_range_into(self.file, self.offset + a, mv[:n])
+            self.spans.append((a, n, crc32c(mv[:n])))
+        self.pos += n
+        return n
+
+    def crc32c(self) -> int:
+        """The CRC32C of the whole item: the ranges read, in order, and any gaps between
+        them read now."""
+        crc, at = 0, 0
+        for a, n, c in sorted(set(self.spans)):
+            if a < at:
+                continue  # overlaps a range already counted: its bytes were read twice
+            if a > at:
+                crc = crc32c_combine(crc, crc32c(self.ckpt.read_range(self.file, self.offset + at, self.offset + a)),
+                                     a - at)
+            crc, at = crc32c_combine(crc, c, n), a + n
+        if at < self.length:
+            crc = crc32c_combine(crc, crc32c(self.ckpt.read_range(self.file, self.offset + at,
+                                                                  self.offset + self.length)), self.length - at)
+        return crc
+
+
+class _Budget:
+    """At most ``limit`` bytes held at once (one holder may exceed it alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self.cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, n: int) -> Iterator[None]:
+        n = min(max(n, 0), self.limit)
+        with self.cond:
+            self.cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.used -= n
+                self.cond.notify_all()
 
 
 def _abort(holder: list[Transaction | None]) -> None:
@@ -392,14 +482,20 @@ class AtomicStorageReader(StorageReader):
 
     Args:
         checkpoint_id: ``<store>/<name>`` as for :class:`AtomicStorageWriter`.
-        thread_count: files read at once by each rank.
+        thread_count: items each rank reads, checks and decodes at once.
+        max_inflight_bytes: bound on the bytes of the items being read at once (a
+            larger item is read alone); the extra memory of a load is about twice this.
         store_options: passed to :func:`~atomicstore.open_store`.
     """
 
-    def __init__(self, checkpoint_id: str | os.PathLike[str], *, thread_count: int = 8, **store_options: Any) -> None:
+    def __init__(self, checkpoint_id: str | os.PathLike[str], *, thread_count: int = 4,
+                 max_inflight_bytes: int = 256 * 2**20, **store_options: Any) -> None:
         super().__init__()
         if not isinstance(thread_count, int) or isinstance(thread_count, bool) or not 1 <= thread_count <= 64:
             raise InvalidArgumentError("thread_count must be an int from 1 to 64")
+        if not isinstance(max_inflight_bytes, int) or isinstance(max_inflight_bytes, bool) or max_inflight_bytes < 1:
+            raise InvalidArgumentError("max_inflight_bytes must be a positive int")
+        self.max_inflight_bytes = max_inflight_bytes
         self.root, self.name = _split(checkpoint_id)
         self.thread_count = thread_count
         self.store_options = dict(store_options)
@@ -495,7 +591,8 @@ class AtomicStorageReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def _read_item(self, ckpt: Checkpoint, req: ReadItem) -> bytes:
+    def _record(self, ckpt: Checkpoint, req: ReadItem) -> tuple[str, int, int, int]:
+        """(file, offset, length, CRC32C) of an item, from DCP's metadata and ours."""
         info = self.storage_data.get(req.storage_index)
         fqn = req.storage_index.fqn
         if not isinstance(info, _StorageInfo):
@@ -506,53 +603,74 @@ class AtomicStorageReader(StorageReader):
         if expected is None or expected[0] != info.length:
             raise CorruptionError(f"{ckpt.where(file)}: {fqn} at [{off}, {off + info.length}) has no checksum record",
                                   path=file, leaf=fqn)
-        data = ckpt.read_range(file, off, off + info.length)
-        if crc32c(data) != expected[1]:
-            raise ChecksumMismatchError(f"{ckpt.where(file)}: item {fqn} at [{off}, {off + info.length}) fails its "
-                                        "CRC32C check", path=file, leaf=fqn)
-        return data
+        return file, off, info.length, expected[1]
+
+    def _load_item(self, ckpt: Checkpoint, req: ReadItem, planner: LoadPlanner, lock: threading.Lock) -> None:
+        file, off, length, crc = self._record(ckpt, req)
+        fqn = req.storage_index.fqn
+
+        def mismatch() -> ChecksumMismatchError:
+            return ChecksumMismatchError(f"{ckpt.where(file)}: item {fqn} at [{off}, {off + length}) fails its "
+                                         "CRC32C check", path=file, leaf=fqn)
+
+        if req.type == LoadItemType.BYTE_IO or length < _DIRECT_READ:
+            data = ckpt.read_range(file, off, off + length)
+            if crc32c(data) != crc:
+                raise mismatch()
+            if req.type == LoadItemType.BYTE_IO:
+                with lock:
+                    planner.load_bytes(req, io.BytesIO(data))
+                return
+            src: io.IOBase = io.BytesIO(data)
+        else:  # large: the tensor's bytes go from storage straight into its memory, checked there
+            src = _ItemFile(ckpt, file, off, length)
+        try:
+            tensor = torch.load(cast(IO[bytes], src), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - a damaged item, or bytes torch.save did not write
+            if isinstance(src, _ItemFile) and src.crc32c() != crc:
+                raise mismatch() from None
+            raise CorruptionError(f"{ckpt.where(file)}: item {fqn} is not a saved tensor ({exc})", path=file,
+                                  leaf=fqn) from None
+        if isinstance(src, _ItemFile) and src.crc32c() != crc:
+            raise mismatch()  # before anything reached the caller's tensors
+        try:
+            tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+        except (RuntimeError, IndexError, ValueError) as exc:
+            raise CorruptionError(f"{self.checkpoint_id}: item {fqn}: the plan's region is outside the "
+                                  f"saved chunk ({exc})", leaf=fqn) from None
+        with lock:
+            target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CorruptionError(f"{self.checkpoint_id}: item {fqn} has size {tuple(tensor.size())}, "
+                                  f"the plan expects {tuple(target.size())}", leaf=fqn)
+        target.copy_(tensor)  # items fill distinct targets: outside the lock
+        with lock:
+            planner.commit_tensor(req, target)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         ckpt = self._open()
-        per_file: dict[str, list[ReadItem]] = {}
-        for req in plan.items:
+
+        def where(req: ReadItem) -> tuple[str, int]:
             info = self.storage_data.get(req.storage_index)
-            per_file.setdefault(getattr(info, "relative_path", ""), []).append(req)
-        lock = threading.Lock()  # the planner is not thread-safe; reads and checks run in parallel
+            return getattr(info, "relative_path", ""), getattr(info, "offset", 0)
 
-        def one(reqs: list[ReadItem]) -> None:
-            for req in reqs:
-                data = self._read_item(ckpt, req)
-                fqn = req.storage_index.fqn
-                if req.type == LoadItemType.BYTE_IO:
-                    with lock:
-                        planner.load_bytes(req, io.BytesIO(data))
-                    continue
-                try:
-                    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                except Exception as exc:  # noqa: BLE001 - the bytes passed their CRC: a foreign writer
-                    raise CorruptionError(f"{ckpt.where(self.storage_data[req.storage_index].relative_path)}: "
-                                          f"item {fqn} is not a saved tensor ({exc})", leaf=fqn) from None
-                try:
-                    tensor = _narrow(tensor, req.storage_offsets, req.lengths)
-                except (RuntimeError, IndexError, ValueError) as exc:
-                    raise CorruptionError(f"{self.checkpoint_id}: item {fqn}: the plan's region is outside the "
-                                          f"saved chunk ({exc})", leaf=fqn) from None
-                with lock:
-                    target = planner.resolve_tensor(req).detach()
-                    if target.size() != tensor.size():
-                        raise CorruptionError(f"{self.checkpoint_id}: item {fqn} has size {tuple(tensor.size())}, "
-                                              f"the plan expects {tuple(target.size())}", leaf=fqn)
-                    target.copy_(tensor)
-                    planner.commit_tensor(req, target)
+        reqs = sorted(plan.items, key=where)
+        lock = threading.Lock()  # the planner is not thread-safe: only its calls are serialised
+        budget = _Budget(self.max_inflight_bytes)
 
-        groups = [per_file[f] for f in sorted(per_file)]
-        if len(groups) <= 1 or self.thread_count <= 1:
-            for g in groups:
-                one(g)
+        def one(req: ReadItem) -> None:
+            info = self.storage_data.get(req.storage_index)
+            with budget.hold(getattr(info, "length", 0)):
+                self._load_item(ckpt, req, planner, lock)
+
+        # items are read, checked and decoded on several threads, at most
+        # max_inflight_bytes of them at once (an item larger than that alone)
+        if len(reqs) <= 1 or self.thread_count <= 1:
+            for r in reqs:
+                one(r)
         else:
-            with concurrent.futures.ThreadPoolExecutor(min(self.thread_count, len(groups))) as pool:
-                for p in [pool.submit(one, g) for g in groups]:
+            with concurrent.futures.ThreadPoolExecutor(min(self.thread_count, len(reqs))) as pool:
+                for p in [pool.submit(one, r) for r in reqs]:
                     p.result()
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -615,7 +733,7 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, o
 
 
 def load(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, planner: LoadPlanner | None = None,
-         process_group: Any = None, thread_count: int = 8, **store_options: Any) -> None:
+         process_group: Any = None, thread_count: int = 4, **store_options: Any) -> None:
     """``dcp.load`` (in place, resharding onto ``state_dict``'s layout) through
     :class:`AtomicStorageReader`; atomicstore errors are raised as themselves (e.g.
     :class:`~atomicstore.ChecksumMismatchError` naming the file and item)."""
