@@ -15,7 +15,8 @@ writes as bytes. Its values depend on ``val``.
 
 Steps ("op"):
   save         dcp.save through AtomicStorageWriter(URL/<name>) ("overwrite", "threads")
-  async_save   dcp.async_save, then waits for its future
+  async_save   dcp.async_save, then waits for its future (with "leave": after leaving the
+               writer's with block)
   fail_write   save, but the ranks in "bad" raise (in their planner) after their first item
                was written ("threads": 2 makes that inside one of two writer threads;
                "plain": no with block, the writer is just dropped and collected)
@@ -162,10 +163,15 @@ def main() -> None:
                 else:
                     with AtomicStorageWriter(target, **kw, **opts) as w:
                         if op == "async_save":
-                            dcp.async_save(sd, storage_writer=w, planner=planner).result()
+                            fut = dcp.async_save(sd, storage_writer=w, planner=planner)
+                            if not step.get("leave"):
+                                fut.result()
                         else:
                             dcp.save(sd, storage_writer=w, planner=planner)
-                        entry["attempt_left_open"] = w.transaction is not None
+                        if op != "async_save":
+                            entry["attempt_left_open"] = w.transaction is not None
+                    if op == "async_save":
+                        fut.result()  # (left the with block first with "leave")
             elif op in ("load", "load_stock"):
                 reader = AtomicStorageReader(target, **opts) if op == "load" else dcp.FileSystemReader(target)
                 got = zeroed(state(step["val"], mesh, layout))

@@ -288,7 +288,9 @@ class AtomicStorageWriter(StorageWriter):
         store_options: passed to :func:`~atomicstore.open_store` (``retry``,
             ``lease_ttl``, ``writer_id``, fsspec storage options such as ``endpoint_url``).
 
-    Usable as a context manager: leaving the block aborts a save that did not commit.
+    Usable as a context manager: leaving the block on an error aborts the attempt of a
+    save that failed after its plan (DCP has no hook for that). Use one writer per save in
+    flight, as with DCP's own writers.
     """
 
     def __init__(self, checkpoint_id: str | os.PathLike[str], *, overwrite: bool = False, thread_count: int = 1,
@@ -346,8 +348,13 @@ class AtomicStorageWriter(StorageWriter):
     def __enter__(self) -> AtomicStorageWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.abort()
+    def __exit__(self, et: type[BaseException] | None, *exc: object) -> None:
+        # Leaving on an error (dcp.save raised) aborts the attempt the failed save left
+        # open. Leaving normally does not: an async_save may still be running with this
+        # writer (a failed save whose error was caught inside the block is aborted by the
+        # next save, abort(), or garbage collection).
+        if et is not None:
+            self.abort()
 
     # -- StorageWriter ------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
