@@ -199,7 +199,7 @@ class _ItemFile(io.RawIOBase):
         self.head = ckpt.read_range(file, offset, offset + min(length, _EDGE))
         self.tail_at = max(len(self.head), length - _EDGE)
         self.tail = ckpt.read_range(file, offset + self.tail_at, offset + length)
-        self.spans = [(0, len(self.head), crc32c(self.head)), (self.tail_at, len(self.tail), crc32c(self.tail))]
+        self.spans: list[tuple[int, int, int]] = []  # (start, length, CRC32C) of each range served
 
     def readable(self) -> bool:
         return True
@@ -225,6 +225,7 @@ class _ItemFile(io.RawIOBase):
             mv[:n] = self.tail[a - self.tail_at : a - self.tail_at + n]
         elif n:
             self.ckpt.read_range_into(self.file, self.offset + a, mv[:n])
+        if n:
             self.spans.append((a, n, crc32c(mv[:n])))
         self.pos += n
         return n
@@ -232,10 +233,13 @@ class _ItemFile(io.RawIOBase):
     def crc32c(self) -> int:
         """The CRC32C of the whole item: the ranges read, in order, and any gaps between
         them read now."""
+        # the largest ranges first (the tensor's bytes), then whatever does not overlap them
+        chosen: list[tuple[int, int, int]] = []
+        for a, n, c in sorted(set(self.spans), key=lambda sp: -sp[1]):
+            if all(a + n <= b or b + m <= a for b, m, _ in chosen):
+                chosen.append((a, n, c))
         crc, at = 0, 0
-        for a, n, c in sorted(set(self.spans)):
-            if a < at:
-                continue  # overlaps a range already counted: its bytes were read twice
+        for a, n, c in sorted(chosen):
             if a > at:
                 crc = crc32c_combine(crc, crc32c(self.ckpt.read_range(self.file, self.offset + at, self.offset + a)),
                                      a - at)
@@ -489,17 +493,20 @@ class AtomicStorageReader(StorageReader):
 
     Args:
         checkpoint_id: ``<store>/<name>`` as for :class:`AtomicStorageWriter`.
-        thread_count: items each rank reads, checks and decodes at once.
+        thread_count: items each rank reads, checks and decodes at once (default: one on
+            local disk, where a load is bound by memory bandwidth; 8 on object stores,
+            where each read waits on the network).
         max_inflight_bytes: bound on the bytes of the items being read at once (a
             larger item is read alone); the extra memory of a load is about twice this.
         store_options: passed to :func:`~atomicstore.open_store`.
     """
 
-    def __init__(self, checkpoint_id: str | os.PathLike[str], *, thread_count: int = 4,
+    def __init__(self, checkpoint_id: str | os.PathLike[str], *, thread_count: int | None = None,
                  max_inflight_bytes: int = 256 * 2**20, **store_options: Any) -> None:
         super().__init__()
-        if not isinstance(thread_count, int) or isinstance(thread_count, bool) or not 1 <= thread_count <= 64:
-            raise InvalidArgumentError("thread_count must be an int from 1 to 64")
+        if thread_count is not None and (not isinstance(thread_count, int) or isinstance(thread_count, bool)
+                                         or not 1 <= thread_count <= 64):
+            raise InvalidArgumentError("thread_count must be None or an int from 1 to 64")
         if not isinstance(max_inflight_bytes, int) or isinstance(max_inflight_bytes, bool) or max_inflight_bytes < 1:
             raise InvalidArgumentError("max_inflight_bytes must be a positive int")
         self.max_inflight_bytes = max_inflight_bytes
@@ -672,11 +679,12 @@ class AtomicStorageReader(StorageReader):
 
         # items are read, checked and decoded on several threads, at most
         # max_inflight_bytes of them at once (an item larger than that alone)
-        if len(reqs) <= 1 or self.thread_count <= 1:
+        threads = self.thread_count or (1 if ckpt.store.driver.capabilities.directories else 8)
+        if len(reqs) <= 1 or threads <= 1:
             for r in reqs:
                 one(r)
         else:
-            with concurrent.futures.ThreadPoolExecutor(min(self.thread_count, len(reqs))) as pool:
+            with concurrent.futures.ThreadPoolExecutor(min(threads, len(reqs))) as pool:
                 for p in [pool.submit(one, r) for r in reqs]:
                     p.result()
         fut: Future[None] = Future()
@@ -740,7 +748,7 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, o
 
 
 def load(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, planner: LoadPlanner | None = None,
-         process_group: Any = None, thread_count: int = 4, **store_options: Any) -> None:
+         process_group: Any = None, thread_count: int | None = None, **store_options: Any) -> None:
     """``dcp.load`` (in place, resharding onto ``state_dict``'s layout) through
     :class:`AtomicStorageReader`; atomicstore errors are raised as themselves (e.g.
     :class:`~atomicstore.ChecksumMismatchError` naming the file and item)."""
