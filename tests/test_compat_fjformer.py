@@ -565,3 +565,34 @@ def test_missing_files_and_json_errors(tmp_path):
         fj.load_json(tmp_path / "m.json")
     fj.save_json({"x": [1.5, None, "s"], "n": np.int64(3)}, tmp_path / "m.json")
     assert fj.load_json(tmp_path / "m.json") == {"x": [1.5, None, "s"], "n": 3}
+
+
+def test_a_reader_slower_than_the_writer_gets_a_clear_error_a_local_reader_one_version(tmp_path):
+    """A file replaced during every read attempt: after three, PreconditionFailedError
+    (not corruption). A local file is read through one open descriptor, so a replacement
+    mid-read leaves the reader with one whole version and nothing to read again."""
+    url = f"memory://fjrace-{secrets.token_hex(6)}"
+    states = [{"first": np.int32(i), "w": np.full(5 << 20, i, np.float32)} for i in range(6)]
+    fj.save_state_to_file(states[0], f"{url}/s.fjf")
+    n = iter(range(1, 6))
+
+    def replace_each_time(leaf, key):
+        if key == ("first",):
+            fj.save_state_to_file(states[next(n)], f"{url}/s.fjf", overwrite=True)
+
+    with pytest.raises(atomicstore.PreconditionFailedError, match="replaced three times"):
+        fj.load_checkpoint(f"{url}/s.fjf", callback=replace_each_time)
+
+    path = str(tmp_path / "s.fjf")
+    fj.save_state_to_file(states[0], path)
+    calls = []
+
+    def replace_once(leaf, key):
+        calls.append(key)
+        if len(calls) == 1:
+            fj.save_state_to_file(states[1], path, overwrite=True)
+
+    got = fj.load_checkpoint(path, callback=replace_once)
+    assert got["first"] == 0 and np.array_equal(got["w"], states[0]["w"])  # the version opened, whole
+    assert calls.count(("first",)) == 1  # not read again
+    assert fj.load_checkpoint(path)["first"] == 1

@@ -358,3 +358,25 @@ def test_arguments_are_validated_and_writers_pickle(tmp_path, quiet):
     e = pickle.loads(pickle.dumps(atomicstore.ChecksumMismatchError("f: bad", path="f", leaf="model.w")))
     assert (e.path, e.leaf, str(e)) == ("f", "model.w", "f: bad")
     assert torch.equal(full(1.0)["model"]["w"], got["model"]["w"])
+
+
+def test_an_overwrite_during_a_load_is_named_not_taken_for_damage(tmp_path, quiet):
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    url = str(tmp_path / "store" / "step_1")
+    save(full(1.0), url)
+
+    class OverwriteMidLoad(DefaultLoadPlanner):  # the caller's code: another job overwrites meanwhile
+        done = False
+
+        def resolve_tensor(self, read_item):
+            if not OverwriteMidLoad.done:
+                OverwriteMidLoad.done = True
+                save(full(2.0), url, overwrite=True)
+            return super().resolve_tensor(read_item)
+
+    with pytest.raises(atomicstore.PreconditionFailedError, match="replaced .* while it was being read"):
+        load(zeroed(full(0.0)), url, planner=OverwriteMidLoad())
+    got = zeroed(full(0.0))
+    load(got, url)  # loading again gives the new checkpoint, whole
+    assert check(got, 2.0) == []

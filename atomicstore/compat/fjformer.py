@@ -67,6 +67,7 @@ from ..errors import (
     CorruptionError,
     InvalidArgumentError,
     NotFoundError,
+    PreconditionFailedError,
 )
 from ..pytree import StateWriter
 from ..pytree import msgpack_io as mp
@@ -842,7 +843,10 @@ def _read_items(st: Store, name: str, prefix: KeyPath | None,
         raise
     # Object stores are read in ranges: a file replaced meanwhile (by a writer that leaves
     # no checksum record, e.g. fjformer) may have given some of them. Its generation
-    # says: the same one from start to end, or read it again.
+    # says: the same one from start to end, or read it again. A local file was read
+    # through one open descriptor: one version, whatever replaced the name since.
+    if drv.capabilities.pinned_reads:
+        return i
     try:
         same = drv.info(name).generation == info.generation
     except NotFoundError:
@@ -884,7 +888,9 @@ def load_checkpoint(
     :class:`~atomicstore.CorruptionError` naming it and the leaf
     (:class:`~atomicstore.ChecksumMismatchError` when its checksum record catches it); a
     missing file :class:`~atomicstore.NotFoundError`; a target the checkpoint does not
-    fit :class:`~atomicstore.InvalidArgumentError`.
+    fit :class:`~atomicstore.InvalidArgumentError`. An object replaced while it is read is
+    read again (a local file is read through one open descriptor: one version); replaced
+    three times in a row, :class:`~atomicstore.PreconditionFailedError`.
     """
     prefix = _prefix(remove_dict_prefix)
     _check_bool(verbose, "verbose")
@@ -901,9 +907,9 @@ def load_checkpoint(
             n = _read_items(st, name, prefix, tree.add)
             break
         except _Replaced:
-            if attempt == 2:
-                raise CorruptionError(f"{where}: the file was replaced three times while being read",
-                                      path=name) from None
+            if attempt == 2:  # not damage: a writer replacing it faster than it can be read
+                raise PreconditionFailedError(f"{where}: the file was replaced three times while being read "
+                                              "(a writer saves it faster than it can be read); load it again") from None
             log.info("%s was replaced while being read: reading it again", where)
     if verbose:
         log.info("loaded %d of %d leaves from %s; %d without a shard function", len(tree.leaves), n, where,

@@ -57,6 +57,9 @@ class Capabilities:
         native_crc32c: ``info`` returns the backend's own CRC32C of an object.
         multipart_uploads: interrupted uploads can leave invisible parts that cost money
             until aborted (S3); recovery lists and aborts them.
+        pinned_reads: ``iter_read`` reads one version of an object from start to end
+            even if the key is replaced meanwhile (one open POSIX file descriptor);
+            object stores read in ranges, each of which may see a newer object.
     """
 
     atomic_rename: bool
@@ -65,6 +68,7 @@ class Capabilities:
     directories: bool
     native_crc32c: bool = False
     multipart_uploads: bool = False
+    pinned_reads: bool = False
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,7 @@ class LocalDriver(Driver):
 
     protocols = ("file", "local")
     capabilities = Capabilities(
-        atomic_rename=True, atomic_create=True, durable_fsync=True, directories=True
+        atomic_rename=True, atomic_create=True, durable_fsync=True, directories=True, pinned_reads=True
     )
 
     def __init__(self, fs: Any, root: str, **kwargs: Any) -> None:

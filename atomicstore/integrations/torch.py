@@ -70,6 +70,7 @@ from ..errors import (
     CorruptionError,
     InvalidArgumentError,
     NotFoundError,
+    PreconditionFailedError,
     TransactionError,
 )
 from ..pytree import split_url
@@ -619,11 +620,21 @@ class AtomicStorageReader(StorageReader):
                                   path=file, leaf=fqn)
         return file, off, info.length, expected[1]
 
+    def _replaced(self, ckpt: Checkpoint) -> bool:
+        """Whether the checkpoint being read was replaced or deleted since it was opened."""
+        try:
+            return ckpt.store.strategy.current(self.name) != ckpt.manifest.attempt
+        except AtomicStoreError:
+            return False
+
     def _load_item(self, ckpt: Checkpoint, req: ReadItem, planner: LoadPlanner, lock: threading.Lock) -> None:
         file, off, length, crc = self._record(ckpt, req)
         fqn = req.storage_index.fqn
 
-        def mismatch() -> ChecksumMismatchError:
+        def mismatch() -> AtomicStoreError:
+            if self._replaced(ckpt):
+                return PreconditionFailedError(f"{self.checkpoint_id} was replaced (overwrite=True) while it was "
+                                               f"being read (at item {fqn}); load it again")
             return ChecksumMismatchError(f"{ckpt.where(file)}: item {fqn} at [{off}, {off + length}) fails its "
                                          "CRC32C check", path=file, leaf=fqn)
 

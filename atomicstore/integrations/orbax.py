@@ -1,0 +1,1065 @@
+"""Orbax saves committed through atomicstore: :class:`AtomicTemporaryPath`.
+
+Orbax (``orbax-checkpoint``) writes a checkpoint into a *temporary path* and then
+*finalizes* it; the class doing both is pluggable through its ``temporary_path_class``
+option (``CheckpointManagerOptions``, ``Checkpointer``, ``AsyncCheckpointer``,
+``StandardCheckpointer``)::
+
+    import orbax.checkpoint as ocp
+    from atomicstore.integrations.orbax import AtomicTemporaryPath
+
+    mgr = ocp.CheckpointManager("/ckpts/run-42", options=ocp.CheckpointManagerOptions(
+        temporary_path_class=AtomicTemporaryPath))
+    Gcs = AtomicTemporaryPath.with_options(project="my-project", lease_ttl=60)
+    mgr = ocp.CheckpointManager("gs://bucket/run-42", options=ocp.CheckpointManagerOptions(
+        temporary_path_class=Gcs))
+
+A step ``<root>/<step>`` is saved by one attempt under a lease, in the atomicstore store
+at ``<root>``:
+
+* **rename backends (local disk)**: the attempt is an atomicstore transaction named
+  ``<step>``. Orbax writes into its staging directory
+  ``<root>/.atomicstore/staging/<step>.<attempt>/`` (so Orbax's listing and its tmp
+  cleanup never see a save in flight, and the lease keeps recovery away). ``finalize``
+  writes Orbax's ``commit_success.txt``, reads every file back once (size and CRC32C,
+  then ``fsync``), adopts them into the manifest and commits: ``manifest.json``, every
+  directory fsynced, the lease checked, ``renameat2(RENAME_NOREPLACE)`` onto
+  ``<root>/<step>/``, the root fsynced. Stock Orbax lists and restores the step (it
+  ignores ``manifest.json``); ``store.list()``/``verify`` see an ordinary checkpoint.
+* **object stores (GCS)**: Orbax's readers want the items directly under ``<step>/`` and
+  treat every subdirectory of a step as an item, so the attempt writes in place, as
+  Orbax's own ``CommitFileTemporaryPath`` does, and keeps nothing of its own in a
+  subdirectory. Before any byte, ``create`` writes the attempt's lease and takes the step
+  with a conditional create (``ifGenerationMatch=0``) of ``<step>/atomicstore-claim.json``
+  naming the attempt: a second writer of the step is refused there
+  (:class:`~atomicstore.CommitConflictError`) before it writes anything. ``finalize``
+  lists the step (GCS reports each object's CRC32C; other stores are read back), checks
+  the claim and the lease, and commits with the conditional create of the non-empty
+  ``<step>/commit_success.txt`` (Orbax's own marker name, so stock Orbax recognises the
+  step), which is atomicstore's record of the step: attempt, writer, and the size and
+  CRC32C of every file. A refused create whose bytes turn out to be ours (a lost reply)
+  is a commit; another writer's marker is :class:`~atomicstore.CommitConflictError`.
+
+``validate_final`` (what Orbax lists and restores) accepts a step only if its manifest or
+marker is intact and every file it names is present, read afresh, with its recorded size
+(and CRC32C where the listing carries one). ``validate`` (what Orbax's
+``cleanup_tmp_directories`` deletes) accepts only attempts that are provably uncommitted
+and dead: an atomicstore staging directory, or a claimed in-place step without marker,
+whose lease is expired (or absent, with nothing written for ``grace`` seconds).
+
+After a crash ``store.recover()`` removes what a save left on local disk. On object
+stores it removes the dead lease but never Orbax's in-place files (the commit layer does
+not delete keys it does not own): :meth:`AtomicTemporaryPath.recover` runs
+``store.recover()`` and removes claimed in-place steps that are provably uncommitted and
+dead (the lease fenced first, the claim removed last). ``docs/integrations-orbax.md``
+says what is and is not guaranteed.
+
+Supported: ``orbax-checkpoint`` :data:`SUPPORTED_ORBAX` (tested), one JAX process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import json
+import os
+import re
+import stat
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from ..commit import Manifest, Store, Transaction, open_store
+from ..commit.lease import Lease, lease_key, read_lease_ttl
+from ..commit.manifest import Crc32cHasher, FileEntry, crc32c
+from ..commit.names import MARKER_FILE, RESERVED_DIR, validate_name, validate_path
+from ..commit.recovery import RecoveryAction, RecoveryReport
+from ..commit.strategies import ATTEMPT_PREFIX, STAGING, MarkerStrategy, new_attempt_id
+from ..errors import (
+    AlreadyExistsError,
+    AtomicStoreError,
+    ChecksumMismatchError,
+    CommitConflictError,
+    CorruptionError,
+    InvalidArgumentError,
+    LeaseLostError,
+    NotFoundError,
+    PreconditionFailedError,
+    StorageError,
+    TransactionError,
+)
+
+__all__ = [
+    "CLAIM_FILE",
+    "COMMIT_FORMAT",
+    "METADATA_KEY",
+    "ORBAX_VERSION",
+    "SUPPORTED_ORBAX",
+    "AtomicTemporaryPath",
+    "OrbaxVersionError",
+    "check_orbax_version",
+]
+
+#: the Orbax releases this module is tested with: ``>= first, < second``
+SUPPORTED_ORBAX = ("0.12.8", "0.13")
+#: the object that takes a step on object stores (conditional create, names the attempt)
+CLAIM_FILE = "atomicstore-claim.json"
+#: the key of a staged step's manifest metadata that marks it as an Orbax step
+METADATA_KEY = "orbax"
+#: ``format`` of an object-store step's ``commit_success.txt`` (and of the metadata)
+COMMIT_FORMAT = "atomicstore.orbax/1"
+_CLAIM_FORMAT = "atomicstore.orbax-claim/1"
+_MAX_CLAIM_BYTES = 64 * 2**10
+_MAX_MARKER_BYTES = 64 * 2**20
+#: how long an item directory waits for its step's ``create`` (seconds)
+_CREATE_WAIT = 600.0
+
+
+class OrbaxVersionError(AtomicStoreError, ImportError):
+    """orbax-checkpoint is missing, outside :data:`SUPPORTED_ORBAX`, or lacks the
+    ``temporary_path_class`` option this integration plugs into."""
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    m = re.match(r"(\d+(?:\.\d+)*)", version.strip())
+    if not m:
+        raise OrbaxVersionError(f"cannot parse the orbax-checkpoint version {version!r}")
+    return tuple(int(x) for x in m.group(1).split("."))
+
+
+def check_orbax_version(version: str) -> None:
+    """Raise :class:`OrbaxVersionError` unless ``version`` is in :data:`SUPPORTED_ORBAX`."""
+    if not isinstance(version, str):
+        raise InvalidArgumentError("version must be a str")
+    low, high = (_version_tuple(v) for v in SUPPORTED_ORBAX)
+    if not low <= _version_tuple(version) < high:
+        raise OrbaxVersionError(
+            f"atomicstore.integrations.orbax supports orbax-checkpoint >={SUPPORTED_ORBAX[0]},"
+            f"<{SUPPORTED_ORBAX[1]} (tested); found {version}"
+        )
+
+
+try:
+    import orbax.checkpoint as ocp
+    from etils import epath
+    from orbax.checkpoint._src.metadata import checkpoint as _ocp_checkpoint_metadata
+    from orbax.checkpoint._src.metadata import (
+        step_metadata_serialization as _ocp_step_serialization,
+    )
+    from orbax.checkpoint._src.path import atomicity_types as _ocp_atomicity_types
+    from orbax.checkpoint._src.path.atomicity_types import TemporaryPath as _TemporaryPath
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    raise OrbaxVersionError(
+        f"atomicstore.integrations.orbax needs orbax-checkpoint >={SUPPORTED_ORBAX[0]},"
+        f"<{SUPPORTED_ORBAX[1]} ({_exc})"
+    ) from _exc
+
+ORBAX_VERSION: str = ocp.__version__
+check_orbax_version(ORBAX_VERSION)
+
+
+def has_temporary_path_option() -> bool:
+    """True if the installed Orbax takes ``temporary_path_class`` everywhere this
+    integration is meant to be plugged in."""
+    fields = getattr(ocp.CheckpointManagerOptions, "__dataclass_fields__", {})
+    if "temporary_path_class" not in fields:
+        return False
+    for cls in (ocp.Checkpointer, ocp.AsyncCheckpointer, ocp.StandardCheckpointer):
+        if "temporary_path_class" not in inspect.signature(cls.__init__).parameters:
+            return False
+    return ocp.path.atomicity_types.TemporaryPath is _TemporaryPath
+
+
+if not has_temporary_path_option():  # pragma: no cover - every release in the range has it
+    raise OrbaxVersionError(f"orbax-checkpoint {ORBAX_VERSION} lacks the temporary_path_class option")
+
+ValidationError = _ocp_atomicity_types.ValidationError
+#: Orbax's own marker name (atomicstore's object-store marker has the same one)
+COMMIT_SUCCESS_FILE: str = _ocp_atomicity_types.COMMIT_SUCCESS_FILE
+if COMMIT_SUCCESS_FILE != MARKER_FILE:  # pragma: no cover - the same in every supported release
+    raise OrbaxVersionError(f"Orbax's marker is {COMMIT_SUCCESS_FILE!r}, atomicstore's {MARKER_FILE!r}")
+
+_STORES: dict[tuple[type, str], Store] = {}
+_STORES_LOCK = threading.Lock()
+#: step temporary paths of saves in flight in this process: their children are items
+_LIVE: weakref.WeakValueDictionary[str, AtomicTemporaryPath] = weakref.WeakValueDictionary()
+
+
+def _abandon(txn: Transaction | None, lease: Lease | None) -> None:
+    """An attempt dropped without ``finalize`` (its save failed, or the process exits):
+    stop its lease; what it wrote is left to recovery (or, staged, removed now)."""
+    try:
+        if txn is not None:
+            txn.abort()
+        if lease is not None:
+            lease.release()
+    except Exception:  # noqa: BLE001 - best effort; recovery removes what is left
+        pass
+
+
+@dataclass
+class Judgement:
+    """What an attempt is, decided from storage read just now: ``state`` is ``"stale"``
+    (provably uncommitted and dead: may be removed), ``"in_flight"``, ``"committed"`` or
+    ``"foreign"`` (not an attempt of this integration: never touched)."""
+
+    state: str
+    reason: str
+    attempt: str | None = None
+    lease_generation: str | None = None
+    lease_exists: bool = False
+    claim_generation: str | None = None
+    keys: list[str] = field(default_factory=list)
+
+
+class AtomicTemporaryPath(_TemporaryPath):
+    """Orbax ``TemporaryPath`` whose ``finalize`` commits the step through atomicstore.
+
+    Pass the class (or a :meth:`with_options` subclass) as ``temporary_path_class``. An
+    instance is either a *step* (``<root>/<step>``, one attempt) or an *item* below a
+    step in flight in this process (a plain directory inside the step's attempt, which
+    the step's commit covers).
+    """
+
+    #: options for :func:`atomicstore.open_store` (storage options and atomicstore's own)
+    options: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+
+    # -- configuration ----------------------------------------------------------------------
+    @classmethod
+    def with_options(cls, **options: Any) -> type[AtomicTemporaryPath]:
+        """A subclass whose stores open with ``options``: storage options for fsspec
+        (``endpoint_url``, ``token``, ``project``...) and atomicstore's ``writer_id``,
+        ``retry``, ``operation_timeout``, ``block_size``, ``lease_ttl``, ``grace``,
+        ``clock``. Orbax takes a class, not an instance: this is how to configure one."""
+        for k in ("lease_ttl", "grace", "operation_timeout"):
+            v = options.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v < 0
+                                  or (k != "grace" and v == 0)):
+                raise InvalidArgumentError(f"{k} must be a positive number of seconds")
+        if "clock" in options and not callable(options["clock"]):
+            raise InvalidArgumentError("clock must be a callable returning Unix seconds")
+        merged = {**cls.options, **options}
+        return type(cls.__name__, (cls,), {"options": MappingProxyType(merged), "__module__": cls.__module__})
+
+    @classmethod
+    def open_store(cls, directory: Any) -> Store:
+        """The atomicstore :class:`~atomicstore.Store` of an Orbax root directory (cached
+        per class and directory), e.g. to ``recover`` it."""
+        root = _root_string(directory)
+        with _STORES_LOCK:
+            store = _STORES.get((cls, root))
+            if store is None:
+                store = open_store(root, **dict(cls.options))
+                _STORES[(cls, root)] = store
+            return store
+
+    # -- construction (no storage I/O beyond opening the store) -----------------------------
+    def __init__(self, *, final: Any, tmp: Any, root: str | None, name: str | None,
+                 attempt: str | None, step: AtomicTemporaryPath | None = None,
+                 metadata_store: Any = None, mode: int | None = None, handle: bool = False) -> None:
+        self._handle = handle  # made by from_temporary: names an attempt, cannot save into it
+        self._final = epath.Path(final)
+        self._tmp = epath.Path(tmp)
+        self._root = root
+        self._name = name
+        self._attempt = attempt
+        self._step = step  # for an item: the step it belongs to
+        self._metadata_store = metadata_store
+        self._mode = mode
+        self._txn: Transaction | None = None  # staged (rename backends)
+        self._lease: Lease | None = None  # in place (object stores)
+        self._claimed = False  # in place: this attempt holds the step's claim
+        self._finalized = False
+        self._created = threading.Event()
+        self._create_error: BaseException | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def is_item(self) -> bool:
+        return self._step is not None
+
+    @property
+    def name(self) -> str | None:
+        """The step's name (its directory's name); None for an item."""
+        return self._name
+
+    @property
+    def attempt(self) -> str | None:
+        """The attempt id (None for an item, or a handle made by :meth:`from_temporary`
+        on an in-place step)."""
+        return self._attempt
+
+    @classmethod
+    def from_final(
+        cls,
+        final_path: Any,
+        *,
+        checkpoint_metadata_store: Any = None,
+        file_options: Any = None,
+        snapshot_type: Any = None,
+    ) -> AtomicTemporaryPath:
+        if snapshot_type is not None:
+            raise InvalidArgumentError("AtomicTemporaryPath does not support Orbax snapshots")
+        final = epath.Path(final_path)
+        mode = getattr(file_options, "path_permission_mode", None)
+        if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777):
+            raise InvalidArgumentError(f"path_permission_mode must be a mode like 0o750, not {mode!r}")
+        parent = str(final.parent)
+        step = _LIVE.get(parent)
+        if step is not None or _staging_parts(parent) is not None:
+            # an item of a step in flight: a plain directory inside the step's attempt
+            return cls(final=final, tmp=final, root=None, name=None, attempt=None,
+                       step=step or _detached(cls, parent), mode=mode)
+        _check_single_process()
+        name = validate_name(final.name)
+        store = cls.open_store(parent)
+        attempt = new_attempt_id()
+        if _in_place_store(store):
+            tmp = final  # in place: Orbax's readers expect the items under <step>/
+        else:
+            tmp = epath.Path(store.driver.path(store.strategy.attempt_prefix(name, attempt)))
+        self = cls(final=final, tmp=tmp, root=_root_string(parent), name=name, attempt=attempt,
+                   metadata_store=checkpoint_metadata_store, mode=mode)
+        _LIVE[str(tmp)] = self
+        return self
+
+    @classmethod
+    def from_temporary(
+        cls,
+        temporary_path: Any,
+        *,
+        file_options: Any = None,
+        snapshot_type: Any = None,
+    ) -> AtomicTemporaryPath:
+        """A handle on an existing temporary path, e.g. one :meth:`validate` accepted for
+        Orbax's cleanup. It cannot be finalized: only the attempt's creator commits it."""
+        if snapshot_type is not None:
+            raise InvalidArgumentError("AtomicTemporaryPath does not support Orbax snapshots")
+        tmp = epath.Path(temporary_path)
+        parts = _staging_parts(str(tmp))
+        if parts is not None:
+            root, name, attempt = parts
+            return cls(final=epath.Path(root) / name, tmp=tmp, root=root, name=name, attempt=attempt,
+                       handle=True)
+        return cls(final=tmp, tmp=tmp, root=_root_string(str(tmp.parent)), name=tmp.name, attempt=None,
+                   handle=True)
+
+    def get(self) -> Any:
+        return self._tmp
+
+    def get_final(self) -> Any:
+        return self._final
+
+    def __repr__(self) -> str:
+        kind = "item" if self.is_item else f"step {self._name!r}, attempt {self._attempt}"
+        return f"AtomicTemporaryPath({kind}, tmp={str(self._tmp)!r})"
+
+    def _store(self) -> Store:
+        if self._root is None:
+            raise TransactionError(f"{self} belongs to no store")
+        return type(self).open_store(self._root)
+
+    # -- the save -----------------------------------------------------------------------------
+    async def create(self) -> Any:
+        """Begin the attempt (on Orbax's primary host): take the step (conflict check,
+        lease; on object stores the claim), create the directory, write Orbax's step
+        metadata. :class:`~atomicstore.CommitConflictError` if the step is committed or
+        (object stores) being written by another attempt."""
+        if self.is_item:
+            await asyncio.to_thread(self._create_item)
+        else:
+            await asyncio.to_thread(self._begin)
+        return self._tmp
+
+    def _create_item(self) -> None:
+        step = self._step
+        assert step is not None
+        if not step._created.wait(_CREATE_WAIT):
+            raise TransactionError(f"{self}: its step was not created within {_CREATE_WAIT:.0f}s")
+        if step._create_error is not None:
+            raise TransactionError(f"{self}: its step failed to begin: {step._create_error}")
+        if "://" not in str(self._tmp):  # local disk (object stores have no directories)
+            try:
+                os.makedirs(str(self._tmp), mode=self._mode or 0o755, exist_ok=True)
+            except OSError as exc:
+                raise StorageError(f"could not create {self._tmp}: {exc}") from exc
+
+    def _begin(self) -> None:
+        try:
+            if self._txn is not None or self._lease is not None:
+                raise TransactionError(f"{self} was already created")
+            if self._handle or self._name is None or self._attempt is None:
+                raise TransactionError(f"{self} was not made by from_final: it cannot be saved into")
+            store = self._store()
+            if _in_place_store(store):
+                self._begin_in_place(store)
+            else:
+                self._begin_staged(store)
+        except BaseException as exc:
+            self._create_error = exc
+            raise
+        finally:
+            self._created.set()
+
+    def _begin_staged(self, store: Store) -> None:
+        assert self._name is not None and self._attempt is not None
+        meta = {METADATA_KEY: {"format": COMMIT_FORMAT, "layout": "staged", "orbax_version": ORBAX_VERSION}}
+        # a committed name: CommitConflictError here; then the lease, before any data
+        txn = Transaction(store, self._name, metadata=meta, attempt=self._attempt)
+        self._txn = txn
+        self._finalizer = weakref.finalize(self, _abandon, txn, None)
+        try:
+            d = store.driver
+            d.makedirs(txn.prefix)
+            if self._mode is not None:
+                try:
+                    os.chmod(d.path(txn.prefix), self._mode)
+                except OSError as exc:
+                    raise StorageError(f"could not chmod {d.describe(txn.prefix)}: {exc}") from exc
+            self._write_step_metadata()
+        except BaseException:
+            self._end(abort=True)
+            raise
+
+    def _begin_in_place(self, store: Store) -> None:
+        assert self._name is not None and self._attempt is not None
+        d = store.driver
+        if d.exists(f"{self._name}/{MARKER_FILE}"):
+            raise CommitConflictError(f"step {d.describe(self._name)} is already committed", name=self._name)
+        lease = Lease(d, self._name, self._attempt, store.writer_id, store.lease_ttl, store.clock)
+        lease.acquire()  # before any data: recovery leaves the attempt alone while it lives
+        self._lease = lease
+        self._finalizer = weakref.finalize(self, _abandon, None, lease)
+        try:
+            self._claim(store)
+            self._write_step_metadata()
+        except BaseException:
+            self._end(abort=True)
+            raise
+
+    def _claim(self, store: Store) -> None:
+        """Take the step before any byte is written: a conditional create that exactly one
+        attempt wins (a lost reply is recognised by its bytes, which name the attempt)."""
+        assert self._name is not None
+        doc = {"format": _CLAIM_FORMAT, "name": self._name, "attempt": self._attempt,
+               "writer": store.writer_id, "created": time.time()}
+        try:
+            store.write_file(f"{self._name}/{CLAIM_FILE}", json.dumps(doc, sort_keys=True).encode(),
+                             overwrite=False)
+        except AlreadyExistsError:
+            holder = _read_claim(store, self._name)
+            who = f"attempt {holder['attempt']} of {holder['writer']}" if holder else "another writer"
+            raise CommitConflictError(
+                f"step {store.driver.describe(self._name)} is being written by {who} (or was left by "
+                "a crashed save, until recovery removes it): refused before writing anything",
+                name=self._name,
+            ) from None
+        self._claimed = True
+
+    def _write_step_metadata(self) -> None:
+        """What Orbax's own ``create`` writes into a new step: its StepMetadata."""
+        if self._metadata_store is None:
+            return
+        self._metadata_store.write(
+            file_path=_ocp_checkpoint_metadata.step_metadata_file_path(self._tmp),
+            metadata=_ocp_step_serialization.serialize(
+                ocp.metadata.StepMetadata(init_timestamp_nsecs=time.time_ns())),
+        )
+
+    async def finalize(self) -> None:
+        """Commit the step (Orbax calls this on its primary host, from a background
+        thread). An item is committed with its step: nothing to do."""
+        if self.is_item:
+            return
+        if self._txn is None and self._lease is None:
+            raise TransactionError(f"{self} was not created by this process: only its creator commits it")
+        if self._finalized:
+            raise TransactionError(f"{self} was already finalized")
+        self._finalized = True
+        try:
+            # a writer declared dead must not write again, not even Orbax's commit time
+            await asyncio.to_thread(self._check_still_ours)
+        except LeaseLostError:
+            self._end(abort=False)  # what is left is recovery's
+            if self._lease is not None:
+                self._lease.stop()
+            raise
+        ms = self._metadata_store
+        if ms is not None:  # as Orbax's own finalize: the commit time into the StepMetadata
+            await asyncio.to_thread(ms.wait_until_finished)
+            await asyncio.to_thread(
+                ms.update,
+                file_path=_ocp_checkpoint_metadata.step_metadata_file_path(self._tmp),
+                commit_timestamp_nsecs=time.time_ns(),
+            )
+            await asyncio.to_thread(ms.wait_until_finished)
+        if self._txn is not None:
+            await asyncio.to_thread(self._commit_staged)
+        else:
+            await asyncio.to_thread(self._commit_in_place)
+
+    def _check_still_ours(self) -> None:
+        """:class:`LeaseLostError` if recovery took this attempt away: its staging
+        directory is gone, or (in place) its claim is gone or another attempt's."""
+        store = self._store()
+        assert self._name is not None
+        if self._txn is not None:
+            if not os.path.isdir(store.driver.path(self._txn.prefix)):
+                raise LeaseLostError(
+                    f"refusing to commit {store.driver.describe(self._name)}: its staging directory "
+                    "is gone (recovery removed it: this writer was declared dead)", name=self._name)
+            return
+        holder = _read_claim(store, self._name)
+        if holder is None or holder["attempt"] != self._attempt:
+            self._claimed = False  # not ours (any more): never remove it
+            raise LeaseLostError(
+                f"refusing to commit {store.driver.describe(self._name)}: its claim is gone or another "
+                "attempt's (this writer was declared dead and its step cleaned up)", name=self._name)
+
+    def _commit_staged(self) -> None:
+        txn = self._txn
+        assert txn is not None
+        try:
+            staging = txn.store.driver.path(txn.prefix)
+            try:
+                _write_durable(os.path.join(staging, COMMIT_SUCCESS_FILE),
+                               f"Checkpoint commit was successful to {self._final}".encode())
+                files = _scan_staged(staging)
+            except OSError as exc:
+                if not os.path.isdir(staging):  # only recovery removes it, having fenced the lease
+                    raise LeaseLostError(
+                        f"refusing to commit {txn.store.driver.describe(txn.name)}: its staging "
+                        "directory is gone (recovery removed it: this writer was declared dead)",
+                        name=txn.name) from None
+                raise StorageError(f"could not read back what Orbax wrote in {staging}: {exc}") from exc
+            for path, entry in sorted(files.items()):
+                txn.adopt(path, entry.size, entry.crc32c)
+        except BaseException:
+            self._end(abort=True)  # nothing was committed; nobody else writes the staging
+            raise
+        try:
+            txn.commit()  # manifest, fsyncs, lease check, rename(NOREPLACE), fsync of the root
+        finally:
+            self._end(abort=False)
+
+    def _commit_in_place(self) -> None:
+        lease = self._lease
+        assert lease is not None and self._name is not None and self._attempt is not None
+        store = self._store()
+        d = store.driver
+        name = self._name
+        try:
+            self._check_still_ours()
+            files = _in_place_files(store, name)
+            doc = {"format": COMMIT_FORMAT, "layout": "in-place", "name": name, "attempt": self._attempt,
+                   "writer": store.writer_id, "orbax_version": ORBAX_VERSION, "committed": time.time(),
+                   "files": {p: {"size": e.size, "crc32c": f"{e.crc32c:08x}"} for p, e in sorted(files.items())}}
+            marker = json.dumps(doc, sort_keys=True, indent=0).encode()
+            lease.check()  # a writer declared dead must not commit; nothing is written after it
+        except LeaseLostError:
+            self._end(abort=False)  # the step is recovery's now
+            lease.stop()
+            raise
+        except BaseException:
+            self._end(abort=True)  # nothing was committed; this attempt holds the claim
+            raise
+        key = f"{name}/{MARKER_FILE}"
+        try:
+            # the commit point: ifGenerationMatch=0 / If-None-Match; a refused retry of our
+            # own landed write is recognised by reading the bytes back
+            store.write_file(key, marker, overwrite=False)
+        except AlreadyExistsError:
+            self._end(abort=False)
+            lease.release()
+            raise CommitConflictError(
+                f"step {d.describe(name)} was committed by another writer", name=name) from None
+        except BaseException as exc:
+            # a timeout, or retries exhausted: the write may have landed (then we committed)
+            # or may still land, so the attempt is kept (its lease object too, so that
+            # recovery waits ttl + grace) for recovery to judge
+            if not (isinstance(exc, Exception) and _landed(store, key, marker)):
+                self._end(abort=False)
+                lease.stop()
+                raise
+        self._end(abort=False)
+        lease.release()
+
+    def abort(self) -> None:
+        """Discard an attempt this process created and has not begun to finalize: its
+        staging directory (disk), or its in-place files and claim (object stores), and its
+        lease. (Once ``finalize`` has begun, the commit may have happened or may still land:
+        then this does nothing and recovery decides.) Orbax has no abort hook: a save that
+        fails is otherwise aborted when Orbax drops its temporary path or the process exits
+        (its lease stopped; on disk its staging removed), or, if it dies, by recovery."""
+        if not self.is_item and not self._finalized:
+            self._end(abort=True)
+
+    def _end(self, *, abort: bool) -> None:
+        """Stop tracking the attempt; with ``abort``, discard it: staging and lease, and on
+        object stores, if this attempt holds the claim, its in-place files and the claim."""
+        _LIVE.pop(str(self._tmp), None)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if not abort:
+            return
+        if self._txn is not None:
+            self._txn.abort()
+        if self._lease is not None:
+            if self._claimed and self._name is not None:
+                try:
+                    _remove_in_place(self._store(), self._name, keep_claim=False)
+                except Exception:  # noqa: BLE001 - recovery removes what is left
+                    pass
+            self._lease.release()
+
+    # -- what Orbax lists, restores and cleans up ----------------------------------------------
+    @classmethod
+    async def validate_final(cls, final_path: Any) -> None:
+        """Raise Orbax's ``ValidationError`` unless ``final_path`` is a committed step
+        whose files are all present (read afresh; see :meth:`check_final`)."""
+        await asyncio.to_thread(cls.check_final, final_path)
+
+    @classmethod
+    def check_final(cls, final_path: Any) -> Manifest:
+        """The manifest of the committed step at ``final_path`` (on object stores, built
+        from its marker), after checking from a fresh listing that every file it names is
+        present with its size (and CRC32C where the listing reports one). Raises Orbax's
+        ``ValidationError`` otherwise."""
+        path = epath.Path(final_path)
+        try:
+            name = validate_name(path.name)
+            store = cls.open_store(str(path.parent))
+            manifest = _committed_manifest(store, name)
+            found = store.driver.find(name)
+        except (NotFoundError, CorruptionError, InvalidArgumentError) as exc:
+            raise ValidationError(f"{path} is not a committed atomicstore Orbax step: {exc}") from None
+        for rel, entry in manifest.files.items():
+            info = found.get(f"{name}/{rel}")
+            if info is None or info.size != entry.size or (
+                    info.crc32c is not None and info.crc32c != entry.crc32c):
+                why = "is missing" if info is None else "does not match its recorded size or CRC32C"
+                raise ValidationError(f"{path}: {rel} {why} (partly deleted or overwritten)")
+        return manifest
+
+    @classmethod
+    async def validate(cls, temporary_path: Any) -> None:
+        """Raise Orbax's ``ValidationError`` unless ``temporary_path`` is provably
+        uncommitted and not in flight (what Orbax's tmp cleanup may then delete): see
+        :meth:`judge`."""
+        judged = await asyncio.to_thread(cls.judge, temporary_path)
+        if judged.state != "stale":
+            raise ValidationError(f"{temporary_path} is not a stale uncommitted attempt: {judged.reason}")
+
+    @classmethod
+    def judge(cls, temporary_path: Any, *, now: float | None = None) -> Judgement:
+        """What ``temporary_path`` is, from storage read now. ``"stale"`` only for an
+        atomicstore staging directory, or (object stores) a step holding this integration's
+        claim and no marker, whose attempt's lease has expired (or is absent while nothing
+        was written for ``grace`` seconds). Committed steps, saves in flight and anything
+        not written by this integration are never stale."""
+        path = str(epath.Path(temporary_path))
+        parts = _staging_parts(path)
+        if parts is not None:
+            root, name, attempt = parts
+            store = cls.open_store(root)
+            prefix = store.strategy.attempt_prefix(name, attempt)
+            return _judge_staged(store, name, attempt, prefix, store.clock() if now is None else now)
+        p = epath.Path(path)
+        try:
+            name = validate_name(p.name)
+        except InvalidArgumentError:
+            return Judgement("foreign", "not a step name")
+        store = cls.open_store(str(p.parent))
+        if not _in_place_store(store):
+            return Judgement("foreign", "committed steps and foreign directories are never temporary "
+                                        "(saves in flight live in .atomicstore/staging)")
+        return _judge_in_place(store, name, store.clock() if now is None else now)
+
+    # -- maintenance ----------------------------------------------------------------------------
+    @classmethod
+    def recover(cls, directory: Any, *, dry_run: bool = False, grace: float | None = None,
+                now: float | None = None) -> RecoveryReport:
+        """Recover the Orbax root ``directory``: on object stores, first remove each claimed
+        in-place step that is provably uncommitted and dead (its expired lease fenced
+        first, so the dead writer can never commit; its objects removed; the claim last,
+        so that no new attempt takes the step before it is empty), then
+        ``store.recover()`` (stale staging, dead leases, orphaned uploads). Returns that
+        report, with the in-place removals first (``kind="orbax"``)."""
+        if not isinstance(dry_run, bool):
+            raise InvalidArgumentError("dry_run must be a bool")
+        if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int | float) or grace < 0):
+            raise InvalidArgumentError("grace must be a non-negative number of seconds")
+        if now is not None and (isinstance(now, bool) or not isinstance(now, int | float)):
+            raise InvalidArgumentError("now must be Unix seconds")
+        store = cls.open_store(directory)
+        actions: list[RecoveryAction] = []
+        if _in_place_store(store):
+            when = store.clock() if now is None else float(now)
+            g = store.grace if grace is None else float(grace)
+            for e in sorted(store.driver.listdir(""), key=lambda e: e.name):
+                try:
+                    name = validate_name(e.name)
+                except InvalidArgumentError:
+                    continue
+                if e.is_dir:
+                    act = _recover_in_place(store, name, when, g, dry_run)
+                    if act is not None:
+                        actions.append(act)
+        report = store.recover(dry_run=dry_run, grace=grace, now=now)
+        report.actions[:0] = actions
+        return report
+
+    @classmethod
+    def verify(cls, final_path: Any) -> Manifest:
+        """Re-read every file of the committed step at ``final_path`` and check its size and
+        CRC32C: :class:`~atomicstore.ChecksumMismatchError` naming the file,
+        :class:`~atomicstore.NotFoundError` if the step is not committed."""
+        path = epath.Path(final_path)
+        name = validate_name(path.name)
+        store = cls.open_store(str(path.parent))
+        manifest = _committed_manifest(store, name)
+        if not _in_place_store(store):
+            return store.verify(name)
+        found = store.driver.find(name)
+        for rel, entry in sorted(manifest.files.items()):
+            key = f"{name}/{rel}"
+            if key not in found:
+                raise ChecksumMismatchError(f"{store.driver.describe(key)}: file is missing", path=rel)
+            h = Crc32cHasher()
+            for chunk in store.driver.iter_read(key):
+                h.update(chunk)
+            entry.check(rel, h.size, h.value, where=store.driver.describe(key))
+        return manifest
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _root_string(directory: Any) -> str:
+    if not (isinstance(directory, str | os.PathLike) or hasattr(directory, "as_posix")):
+        raise InvalidArgumentError(f"expected a directory path or URL, not {type(directory).__name__}")
+    s = str(directory)
+    if not s.strip():
+        raise InvalidArgumentError("expected a directory path or URL")
+    return s.rstrip("/") if len(s) > 1 else s
+
+
+def _in_place_store(store: Store) -> bool:
+    """Object stores (no atomic rename): Orbax writes in place."""
+    return isinstance(store.strategy, MarkerStrategy)
+
+
+def _check_single_process() -> None:
+    import jax
+
+    if jax.process_count() > 1:
+        raise InvalidArgumentError(
+            "AtomicTemporaryPath supports one JAX process: multi-host Orbax saves are not "
+            "supported by this integration")
+
+
+def _staging_parts(path: str) -> tuple[str, str, str] | None:
+    """(store root, name, attempt) if ``path`` is ``<root>/.atomicstore/staging/<name>.<attempt>``."""
+    head, _, leaf = path.rstrip("/").rpartition("/")
+    reserved, _, staging = head.rpartition("/")
+    if staging != STAGING.rsplit("/", 1)[1] or not reserved.endswith("/" + RESERVED_DIR):
+        return None
+    name, dot, attempt = leaf.rpartition(".")
+    if not dot or not name or not attempt:
+        return None
+    try:
+        validate_name(name)
+    except InvalidArgumentError:
+        return None
+    return reserved[: -len(RESERVED_DIR) - 1], name, attempt
+
+
+def _detached(cls: type[AtomicTemporaryPath], parent: str) -> AtomicTemporaryPath:
+    """A stand-in step for an item whose step is not in flight in this process."""
+    step = cls(final=parent, tmp=parent, root=None, name=None, attempt=None)
+    step._created.set()
+    return step
+
+
+def _write_durable(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        mv = memoryview(data)
+        while mv:
+            mv = mv[os.write(fd, mv):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _scan_staged(staging: str) -> dict[str, FileEntry]:
+    """Size and CRC32C of every file Orbax wrote below ``staging``, read once in parallel
+    and fsynced. Orbax's ``commit_success.txt`` is not a file of the manifest (its name
+    is reserved): its presence follows from the commit."""
+    paths: list[tuple[str, str]] = []
+    for dirpath, _dirs, files in os.walk(staging):
+        for fn in files:
+            full = os.path.join(dirpath, fn)
+            rel = os.path.relpath(full, staging).replace(os.sep, "/")
+            if rel != COMMIT_SUCCESS_FILE:
+                paths.append((validate_path(rel, what="file Orbax wrote"), full))
+
+    def one(item: tuple[str, str]) -> tuple[str, FileEntry]:
+        rel, full = item
+        fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StorageError(f"{full} is not a regular file")
+            # read in 8 MiB pieces into one buffer (not mapped: a file truncated behind our
+            # back would be a SIGBUS, not an error); the size is what was read
+            value, size = 0, 0
+            buf = bytearray(8 << 20)
+            with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    value = crc32c(memoryview(buf)[:n], value)
+                    size += n
+            if size != st.st_size:
+                raise StorageError(f"{full} changed size while it was checksummed")
+            os.fsync(fd)  # durable before the commit point (directories: by the commit)
+        finally:
+            os.close(fd)
+        return rel, FileEntry(size, value)
+
+    if not paths:
+        return {}
+    with concurrent.futures.ThreadPoolExecutor(min(8, len(paths))) as pool:
+        return dict(pool.map(one, paths))
+
+
+def _skip_in_place(rel: str) -> bool:
+    """Keys below an in-place step that are not Orbax's files: marker, claim, and the
+    atomicstore attempts of other writers (never written by this integration)."""
+    return rel in (MARKER_FILE, CLAIM_FILE) or rel.startswith(ATTEMPT_PREFIX)
+
+
+def _in_place_files(store: Store, name: str) -> dict[str, FileEntry]:
+    """Size and CRC32C of every Orbax file of an in-place step, from a fresh listing (the
+    store's own CRC32C where it reports one, else read back)."""
+    out: dict[str, FileEntry] = {}
+    unknown: list[tuple[str, str]] = []
+    for key, info in store.driver.find(name).items():
+        rel = key[len(name) + 1:]
+        if _skip_in_place(rel):
+            continue
+        validate_path(rel, what="file Orbax wrote")
+        if info.crc32c is not None:
+            out[rel] = FileEntry(info.size, info.crc32c)
+        else:
+            unknown.append((rel, key))
+
+    def read(item: tuple[str, str]) -> tuple[str, FileEntry]:
+        rel, key = item
+        h = Crc32cHasher()
+        for chunk in store.driver.iter_read(key):
+            h.update(chunk)
+        return rel, FileEntry(h.size, h.value)
+
+    if unknown:
+        with concurrent.futures.ThreadPoolExecutor(min(8, len(unknown))) as pool:
+            out.update(pool.map(read, unknown))
+    return out
+
+
+def _committed_manifest(store: Store, name: str) -> Manifest:
+    """The manifest of a committed Orbax step (on object stores, from its marker):
+    :class:`NotFoundError` if it is not committed, :class:`CorruptionError` if its record
+    is malformed or it is not an Orbax step written by this integration."""
+    if not _in_place_store(store):
+        manifest = store.open(name).manifest
+        meta = manifest.metadata.get(METADATA_KEY)
+        if not isinstance(meta, dict) or meta.get("format") != COMMIT_FORMAT or meta.get("layout") != "staged":
+            raise CorruptionError(f"{store.driver.describe(name)}: not an Orbax step written through atomicstore")
+        return manifest
+    key = f"{name}/{MARKER_FILE}"
+    where = store.driver.describe(key)
+    try:
+        size = store.driver.info(key).size
+    except NotFoundError:
+        raise NotFoundError(f"no committed step {store.driver.describe(name)}") from None
+    if size > _MAX_MARKER_BYTES:
+        raise CorruptionError(f"{where}: {size} bytes, larger than the {_MAX_MARKER_BYTES} allowed", path=key)
+    return _parse_marker(store.driver.read(key), name, where)
+
+
+def _parse_marker(raw: bytes, name: str, where: str) -> Manifest:
+    """An object-store step's ``commit_success.txt`` (read from storage: hostile)."""
+    if len(raw) > _MAX_MARKER_BYTES:
+        raise CorruptionError(f"{where}: {len(raw)} bytes, larger than the {_MAX_MARKER_BYTES} allowed")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptionError(f"{where}: not an atomicstore Orbax commit record (stock Orbax's marker?)") from None
+    try:
+        if not isinstance(doc, dict) or doc.get("format") != COMMIT_FORMAT or doc.get("layout") != "in-place":
+            raise TypeError("not an atomicstore Orbax commit record")
+        if doc.get("name") != name:
+            raise TypeError(f"it names step {doc.get('name')!r}")
+        attempt, writer, committed = doc["attempt"], doc["writer"], doc["committed"]
+        if not (isinstance(attempt, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,100}", attempt)):
+            raise TypeError("bad attempt")
+        if not isinstance(writer, str) or isinstance(committed, bool) or not isinstance(committed, int | float):
+            raise TypeError("bad writer or time")
+        raw_files = doc["files"]
+        if not isinstance(raw_files, dict):
+            raise TypeError("files is not an object")
+        files = {}
+        for p, e in raw_files.items():
+            validate_path(p)
+            if _skip_in_place(p) or not isinstance(e, dict):
+                raise TypeError(f"bad entry {p!r}")
+            size, crc = e.get("size"), e.get("crc32c")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise TypeError(f"bad size for {p!r}")
+            if not isinstance(crc, str) or not re.fullmatch(r"[0-9a-f]{8}", crc):
+                raise TypeError(f"bad crc32c for {p!r}")
+            files[p] = FileEntry(size, int(crc, 16))
+    except (KeyError, TypeError, InvalidArgumentError) as exc:
+        raise CorruptionError(f"{where}: malformed commit record ({exc})", path=MARKER_FILE) from None
+    return Manifest(name=name, attempt=attempt, writer=writer, created=float(committed), files=files,
+                    metadata={METADATA_KEY: {"format": COMMIT_FORMAT, "layout": "in-place",
+                                             "orbax_version": str(doc.get("orbax_version", ""))}},
+                    committed=float(committed))
+
+
+def _landed(store: Store, key: str, data: bytes) -> bool:
+    """True if ``key`` holds exactly ``data`` now (a write whose outcome was unclear)."""
+    try:
+        return store.driver.read(key) == data
+    except (NotFoundError, StorageError):
+        return False
+
+
+def _read_claim(store: Store, name: str) -> dict[str, Any] | None:
+    """The claim of an in-place step (validated), None if absent or unreadable."""
+    try:
+        raw = store.driver.read(f"{name}/{CLAIM_FILE}", 0, _MAX_CLAIM_BYTES + 1)
+    except NotFoundError:
+        return None
+    if len(raw) > _MAX_CLAIM_BYTES:
+        return None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not (isinstance(doc, dict) and doc.get("format") == _CLAIM_FORMAT and doc.get("name") == name
+            and isinstance(doc.get("attempt"), str) and isinstance(doc.get("writer"), str)
+            and re.fullmatch(r"[A-Za-z0-9_-]{1,100}", doc["attempt"])):
+        return None
+    return doc
+
+
+def _lease_state(store: Store, name: str, attempt: str, now: float, grace: float
+                 ) -> tuple[str, str | None]:
+    """("alive" | "expired" | "none", generation) of an attempt's lease, read now: alive
+    while renewed within ``ttl + grace``, the rule of ``store.recover()``."""
+    key = lease_key(name, attempt)
+    try:
+        info = store.driver.info(key)
+        ttl = read_lease_ttl(store.driver, key)
+    except NotFoundError:
+        return "none", None
+    except CorruptionError:
+        ttl = 0.0
+    mtime = info.mtime if info.mtime is not None else now
+    return ("alive" if mtime + ttl + grace > now else "expired"), info.generation
+
+
+def _judge_staged(store: Store, name: str, attempt: str, prefix: str, now: float) -> Judgement:
+    """A staging directory (rename backends): stale iff its lease expired, or it has none
+    and nothing below it was written within ``grace``."""
+    d = store.driver
+    if prefix.rsplit("/", 1)[1] not in {e.name for e in d.listdir(STAGING)}:
+        return Judgement("foreign", "no such attempt")
+    lease, gen = _lease_state(store, name, attempt, now, store.grace)
+    if lease == "alive":
+        return Judgement("in_flight", "its lease is alive", attempt, gen, True)
+    listing = d.find(prefix)
+    mtimes = [i.mtime for i in listing.values() if i.mtime is not None]
+    try:
+        mtimes.append(os.stat(d.path(prefix)).st_mtime)  # the directory itself (local disk)
+    except OSError:
+        pass
+    if lease == "none" and max(mtimes, default=now) + store.grace > now:
+        return Judgement("in_flight", f"no lease, written to within {store.grace:.0f}s", attempt)
+    return Judgement("stale", f"uncommitted, lease {lease}", attempt, gen, lease == "expired",
+                     keys=sorted(listing))
+
+
+def _judge_in_place(store: Store, name: str, now: float, grace: float | None = None) -> Judgement:
+    """An in-place step (object stores): stale iff it holds this integration's claim, has
+    no marker, and its attempt's lease expired (or it has none and nothing was written
+    within ``grace``). A step without a claim is not this integration's to judge (stock
+    Orbax's, Orbax's root metadata, a user's directory)."""
+    d = store.driver
+    g = store.grace if grace is None else grace
+    claim_key = f"{name}/{CLAIM_FILE}"
+    try:
+        claim_gen = d.info(claim_key).generation  # the generation first: a change after shows
+    except NotFoundError:
+        return Judgement("foreign", "no atomicstore claim: not an attempt of this integration")
+    claim = _read_claim(store, name)
+    if claim is None:
+        return Judgement("foreign", "unreadable claim: left alone")
+    attempt = claim["attempt"]
+    if d.exists(f"{name}/{MARKER_FILE}"):
+        return Judgement("committed", "it has a commit marker", attempt)
+    lease, gen = _lease_state(store, name, attempt, now, g)
+    if lease == "alive":
+        return Judgement("in_flight", "its lease is alive", attempt, gen, True, claim_gen)
+    listing = d.find(name)
+    newest = max(((i.mtime if i.mtime is not None else now) for i in listing.values()), default=0.0)
+    if lease == "none" and newest + g > now:
+        return Judgement("in_flight", f"no lease, written to within {g:.0f}s", attempt, None, False, claim_gen)
+    return Judgement("stale", f"uncommitted, lease {lease}", attempt, gen, lease == "expired", claim_gen,
+                     sorted(listing))
+
+
+def _remove_in_place(store: Store, name: str, *, keep_claim: bool,
+                     claim_generation: str | None = None) -> int:
+    """Remove the Orbax files of an uncommitted in-place step, then, unless
+    ``keep_claim``, its claim (only at ``claim_generation`` if given)."""
+    d = store.driver
+    keys = [k for k in sorted(d.find(name), reverse=True) if not _skip_in_place(k[len(name) + 1:])]
+    for k in keys:
+        d.delete(k)
+    if not keep_claim:
+        try:
+            d.delete(f"{name}/{CLAIM_FILE}", if_generation=claim_generation)
+        except PreconditionFailedError:
+            pass  # another attempt's claim: not ours to remove
+    return len(keys)
+
+
+def _recover_in_place(store: Store, name: str, now: float, grace: float, dry_run: bool
+                      ) -> RecoveryAction | None:
+    j = _judge_in_place(store, name, now, grace)
+    if j.state != "stale":
+        return None
+    why = f"uncommitted in-place Orbax step (attempt {j.attempt}): {j.reason}"
+    if dry_run:
+        return RecoveryAction("orbax", name, why, len(j.keys))
+    assert j.attempt is not None
+    d = store.driver
+    if j.lease_exists:  # fence: the dead writer's pre-commit lease check now fails
+        try:
+            d.delete(lease_key(name, j.attempt), if_generation=j.lease_generation)
+        except PreconditionFailedError:
+            return None  # renewed meanwhile: alive
+    if d.exists(f"{name}/{MARKER_FILE}"):
+        return None  # it committed right before the fence
+    try:
+        if d.info(f"{name}/{CLAIM_FILE}").generation != j.claim_generation:
+            return None  # another attempt took the step meanwhile
+    except NotFoundError:
+        return None
+    n = _remove_in_place(store, name, keep_claim=False, claim_generation=j.claim_generation)
+    return RecoveryAction("orbax", name, why, n + 1)

@@ -1,0 +1,456 @@
+"""Orbax saves through AtomicTemporaryPath: real Orbax, real fakes, real subprocesses.
+
+Backends: local disk, and GCS (our fake, which honours ``ifGenerationMatch``) through
+Orbax's own TensorStore ``gcs`` driver and epath/gcsfs. S3 is not among them: Orbax
+0.12.8 builds a TensorStore ``file`` spec for every path that is not ``gs://`` (an
+``s3://`` path fails with "Checkpoint path should be absolute", or, without OCDBT, is
+written to a local directory named ``s3:``), so it cannot write to S3 at all; see
+``docs/integrations-orbax.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from orbax.checkpoint._src.path import temporary_paths
+
+import atomicstore
+from atomicstore.integrations import orbax as aso
+from atomicstore.integrations.orbax import AtomicTemporaryPath
+from atomicstore.testing.faults import FaultPlan, is_conditional
+
+WORKER = Path(__file__).with_name("orbax_worker.py")
+ORBAX_BACKENDS = ["local", "gcs"]
+FUTURE = 3600.0  # seconds: a view of the store from after every lease has expired
+
+
+@dataclass
+class Env:
+    kind: str
+    root: str  # the Orbax root directory (path or gs:// URL)
+    cls: type[AtomicTemporaryPath]
+    options: dict[str, Any]
+    endpoint: str = "-"
+
+    def later(self) -> type[AtomicTemporaryPath]:
+        """The same class, seeing the store from FUTURE seconds ahead."""
+        return self.cls.with_options(clock=lambda: time.time() + FUTURE)
+
+    def store(self) -> atomicstore.Store:
+        return self.cls.open_store(self.root)
+
+    def listing(self) -> set[str]:
+        return set(self.store().driver.find(""))
+
+
+@pytest.fixture(params=ORBAX_BACKENDS)
+def env(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+    if request.param == "local":
+        yield Env("local", str(tmp_path / "run"), AtomicTemporaryPath.with_options(lease_ttl=3.0), {})
+        return
+    srv = request.getfixturevalue("gcs_server")
+    srv.faults(None)
+    bucket = srv.new_bucket()
+    # Orbax writes arrays with TensorStore's gcs driver and metadata with epath (gcsfs)
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", srv.endpoint)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", srv.endpoint)
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    saved = fsspec.config.conf.get("gcs")
+    fsspec.config.conf["gcs"] = {"endpoint_url": srv.endpoint, "token": "anon", "project": "test",
+                                 "use_listings_cache": False}
+    opts = {"endpoint_url": srv.endpoint, "token": "anon", "project": "test"}
+    try:
+        yield Env("gcs", f"gs://{bucket}/run", AtomicTemporaryPath.with_options(lease_ttl=3.0, **opts), opts,
+                  srv.endpoint)
+    finally:
+        if saved is None:
+            fsspec.config.conf.pop("gcs", None)
+        else:
+            fsspec.config.conf["gcs"] = saved
+
+
+def tree(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((64, 32), dtype=np.float32), "b": rng.standard_normal(32)}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def manager(env: Env, cls: Any = None, item_names: Any = None, **kw: Any) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(temporary_path_class=env.cls if cls is None else cls, **kw)
+    return ocp.CheckpointManager(env.root, item_names=item_names, options=options)
+
+
+def steps(mgr: ocp.CheckpointManager) -> list[int]:
+    """The steps ``mgr`` lists, read from storage now."""
+    mgr.reload()
+    return list(mgr.all_steps())
+
+
+def stock_manager(env: Env) -> ocp.CheckpointManager:
+    """Orbax with its default temporary path class (AtomicRename on disk, CommitFile on GCS)."""
+    return ocp.CheckpointManager(env.root)
+
+
+# -- the supported versions ----------------------------------------------------------------------
+def test_the_installed_orbax_is_a_supported_version_with_the_option():
+    aso.check_orbax_version(ocp.__version__)
+    assert ocp.__version__ == aso.ORBAX_VERSION
+    assert aso.has_temporary_path_option()
+    for bad in ("0.12.7", "0.11.30", "0.13.0", "1.0"):
+        with pytest.raises(aso.OrbaxVersionError, match="supports orbax-checkpoint"):
+            aso.check_orbax_version(bad)
+    aso.check_orbax_version("0.12.9rc1")
+    with pytest.raises(atomicstore.InvalidArgumentError):
+        aso.check_orbax_version(12)  # type: ignore[arg-type]
+    assert issubclass(aso.OrbaxVersionError, atomicstore.AtomicStoreError)
+    assert issubclass(AtomicTemporaryPath, ocp.path.atomicity_types.TemporaryPath)
+
+
+# -- save, list, restore -------------------------------------------------------------------------------
+@pytest.mark.parametrize("async_save", [True, False])
+def test_manager_saves_and_restores_and_stock_orbax_reads_it(env: Env, async_save: bool):
+    mgr = manager(env, enable_async_checkpointing=async_save)
+    states = {1: tree(1), 2: tree(2)}
+    for step, state in states.items():
+        assert mgr.save(step, args=ocp.args.StandardSave(state))
+    mgr.wait_until_finished()
+    assert steps(mgr) == [1, 2]
+    assert same(mgr.restore(2, args=ocp.args.StandardRestore(states[2])), states[2])
+    assert same(manager(env).restore(1), states[1])  # a fresh manager, no restore args
+
+    # every file Orbax wrote is in the record, with its CRC32C, and re-reads clean
+    for step in states:
+        record = env.cls.verify(f"{env.root}/{step}")
+        assert record.name == str(step) and any(p.startswith("default/") for p in record.files)
+        assert "_CHECKPOINT_METADATA" in record.files
+    keys = env.listing()
+    assert not [k for k in keys if ".orbax-checkpoint-tmp" in k or "/staging/" in k or "leases/" in k]
+    if env.kind == "local":  # an ordinary atomicstore checkpoint: stock Orbax ignores manifest.json
+        assert env.store().list() == ["1", "2"]
+        assert {"1/manifest.json", "1/commit_success.txt"} <= keys
+        assert env.store().verify("2").files == env.cls.check_final(f"{env.root}/2").files
+    else:  # in place, a conditional non-empty marker that is atomicstore's record of the step
+        marker = json.loads(env.store().read_file("2/commit_success.txt"))
+        assert marker["format"] == aso.COMMIT_FORMAT and marker["name"] == "2"
+        assert set(marker["files"]) == set(record.files)
+        claim = json.loads(env.store().read_file(f"2/{aso.CLAIM_FILE}"))
+        assert claim["attempt"] == marker["attempt"]
+        assert not [k for k in keys if "/attempt-" in k]  # no directory an Orbax reader would take for an item
+
+    stock = stock_manager(env)  # Orbax's own classes list and restore what it saved
+    assert stock.all_steps() == [1, 2]
+    assert same(stock.restore(1), states[1])
+    assert same(stock.restore(2, args=ocp.args.StandardRestore(states[2])), states[2])
+
+
+def test_a_committed_step_is_refused_before_anything_is_written(env: Env):
+    ckptr = ocp.StandardCheckpointer(temporary_path_class=env.cls)
+    ckptr.save(f"{env.root}/7", tree(7))
+    ckptr.wait_until_finished()
+    before = env.listing()
+    again = env.cls.from_final(f"{env.root}/7")
+    with pytest.raises(atomicstore.CommitConflictError):
+        asyncio.run(again.create())
+    assert env.listing() == before
+    assert same(ckptr.restore(f"{env.root}/7"), tree(7))
+
+
+# -- two writers of one step ----------------------------------------------------------------------
+def test_two_writers_of_one_step_exactly_one_commits(env: Env):
+    reached, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:  # Orbax calls it after the data is written, right before finalize
+        reached.set()
+        gate.wait(60)
+
+    paused = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler(), temporary_path_class=env.cls,
+                                   async_options=ocp.AsyncOptions(post_finalization_callback=hold))
+    step = f"{env.root}/5"
+    paused.save(step, args=ocp.args.StandardSave(tree(50)))  # A: written, held before its commit
+    assert reached.wait(60)
+    if env.kind == "local":
+        # B writes its own staging and commits first; A's commit is then refused and its
+        # staging removed: none of A's bytes are in B's step
+        quick = ocp.StandardCheckpointer(temporary_path_class=env.cls)
+        quick.save(step, tree(51))
+        quick.wait_until_finished()
+        gate.set()
+        with pytest.raises(Exception) as err:
+            paused.wait_until_finished()
+        assert _chain_has(err.value, atomicstore.CommitConflictError)
+        winner = tree(51)
+        assert not os.listdir(os.path.join(env.root, ".atomicstore", "staging"))
+    else:
+        # on an object store both would write in place: B is refused at create, before
+        # it writes a byte (the claim), and stock Orbax refuses B earlier still (the
+        # step directory exists)
+        before = env.listing()
+        attempt_a = json.loads(env.store().read_file(f"5/{aso.CLAIM_FILE}"))["attempt"]
+        b = env.cls.from_final(step)
+        with pytest.raises(atomicstore.CommitConflictError, match="refused before writing"):
+            asyncio.run(b.create())
+        assert env.listing() == before
+        gate.set()
+        paused.wait_until_finished()
+        winner = tree(50)
+        assert json.loads(env.store().read_file("5/commit_success.txt"))["attempt"] == attempt_a
+    record = env.cls.verify(step)  # every file is the winner's, as recorded
+    assert record.files
+    assert same(ocp.StandardCheckpointer(temporary_path_class=env.cls).restore(step), winner)
+    assert same(ocp.StandardCheckpointer().restore(step), winner)
+    assert not [k for k in env.listing() if "leases/" in k]
+
+
+def test_a_writer_declared_dead_cannot_commit(env: Env):
+    reached, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        reached.set()
+        gate.wait(60)
+
+    zombie = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler(), temporary_path_class=env.cls,
+                                   async_options=ocp.AsyncOptions(post_finalization_callback=hold))
+    zombie.save(f"{env.root}/6", args=ocp.args.StandardSave(tree(6)))
+    assert reached.wait(60)  # everything written; paused right before its commit
+    # another process, after this writer's lease expired, fences it and removes its attempt
+    report = env.later().recover(env.root)
+    assert report.actions
+    gate.set()
+    with pytest.raises(Exception) as err:
+        zombie.wait_until_finished()
+    assert _chain_has(err.value, atomicstore.LeaseLostError)
+    assert steps(manager(env)) == [] and stock_manager(env).all_steps() == []
+    assert not [k for k in env.listing() if k.startswith(("6/", ".atomicstore/staging/", ".atomicstore/leases/"))]
+
+
+@pytest.mark.parametrize("kind", ["gcs"])  # a lost reply needs the HTTP fault injector
+def test_a_lost_reply_to_the_commit_is_reconciled(kind: str, gcs_server: Any, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch):
+    bucket = gcs_server.new_bucket()
+    for k, v in (("TENSORSTORE_GCS_HTTP_URL", gcs_server.endpoint), ("STORAGE_EMULATOR_HOST", gcs_server.endpoint),
+                 ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")):
+        monkeypatch.setenv(k, v)
+    monkeypatch.setitem(fsspec.config.conf, "gcs", {"endpoint_url": gcs_server.endpoint, "token": "anon",
+                                                    "project": "test", "use_listings_cache": False})
+    cls = AtomicTemporaryPath.with_options(endpoint_url=gcs_server.endpoint, token="anon", project="test",
+                                           retry=atomicstore.RetryPolicy(attempts=5, initial_wait=0.01,
+                                                                         max_wait=0.1, deadline=30))
+    root = f"gs://{bucket}/run"
+
+    def marker_write(environ: dict) -> bool:  # the commit point, conditional
+        return is_conditional(environ) and "commit_success.txt" in environ.get("QUERY_STRING", "")
+
+    gcs_server.faults(FaultPlan(lost_reply_rate=1.0, applies_to=marker_write, budget=1))
+    try:
+        ckptr = ocp.StandardCheckpointer(temporary_path_class=cls)
+        ckptr.save(f"{root}/4", tree(4))  # the marker lands, the reply is lost, the retry gets 412
+        ckptr.wait_until_finished()
+        assert gcs_server.injector.injected == 1
+    finally:
+        gcs_server.faults(None)
+    assert same(ckptr.restore(f"{root}/4"), tree(4))
+    record = json.loads(cls.open_store(root).read_file("4/commit_success.txt"))
+    assert record["attempt"] == json.loads(cls.open_store(root).read_file(f"4/{aso.CLAIM_FILE}"))["attempt"]
+
+
+def _chain_has(exc: BaseException | None, cls: type) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, cls):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+# -- a save killed mid-write -----------------------------------------------------------------------
+def test_a_save_killed_mid_write_is_never_listed_and_recovery_removes_it(env: Env):
+    proc = subprocess.Popen([sys.executable, str(WORKER), env.root, env.endpoint], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=str(WORKER.parent.parent))
+    try:
+        lines: list[str] = []
+        deadline = time.time() + 60
+        while not lines or lines[-1] != "MIDWRITE 2":
+            line = proc.stdout.readline().strip() if proc.stdout else ""
+            assert line or proc.poll() is None, f"worker died: {lines}"
+            if line:
+                lines.append(line)
+            assert time.time() < deadline, lines
+        assert lines == ["COMMITTED 1", "MIDWRITE 2"]
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+
+    keys = env.listing()
+    partial = sorted(k for k in keys if not k.startswith("1/") and "tail/part-0.bin" in k)
+    assert partial, keys  # the attempt had written data when it died
+    assert not [k for k in keys if "tail/part-1.bin" in k and not k.startswith("1/")]
+
+    # nothing lists it: Orbax through the integration, stock Orbax, atomicstore
+    restore_args = ocp.args.Composite(params=ocp.args.StandardRestore({"w": np.zeros(65536, np.float32),
+                                                                        "b": np.zeros(16)}))
+    assert steps(manager(env)) == [1]
+    assert stock_manager(env).all_steps() == [1]
+    assert env.store().list() == ["1"]
+    assert manager(env).restore(1, args=restore_args)["params"]["w"][5] == 5.0
+
+    # in flight as far as anyone can tell (its lease was renewed moments ago): untouched
+    # by Orbax's own tmp cleanup through validate(), and by recovery
+    tmp = _attempt_path(env, keys)
+    assert not ocp.path.step.is_path_temporary(tmp, temporary_path_cls=env.cls)
+    assert ocp.path.step.is_path_temporary(tmp, temporary_path_cls=env.later())
+    orbax_cleanup(env, env.cls)
+    assert env.cls.recover(env.root).actions == [] and env.listing() == keys
+
+    if env.kind == "local":
+        report = env.store().recover(now=time.time() + FUTURE)  # store.recover() is the whole cleanup
+    else:
+        # the commit layer never deletes keys it does not own: it fences the dead lease,
+        # the in-place files stay (listed by nobody) for the integration's recovery
+        env.store().recover(now=time.time() + FUTURE)
+        assert partial[0] in env.listing()
+        # Orbax's cleanup through validate() sees it as provably uncommitted and dead
+        assert ocp.path.step.is_path_temporary(tmp, temporary_path_cls=env.later())
+        report = env.cls.recover(env.root, now=time.time() + FUTURE)
+        assert [a.target for a in report.actions if a.kind == "orbax"] == ["2"]
+    assert report.actions
+    left = env.listing()
+    assert all(k.startswith("1/") or k == ".atomicstore/lock" for k in left), sorted(left)
+    assert {k for k in keys if k.startswith("1/")} == {k for k in left if k.startswith("1/")}
+    env.cls.verify(f"{env.root}/1")
+
+    # the step can be saved again, and both Orbax and stock Orbax read it
+    mgr = manager(env, item_names=("params",))
+    mgr.save(2, args=ocp.args.Composite(params=ocp.args.StandardSave(tree(2))))
+    mgr.wait_until_finished()
+    assert steps(mgr) == [1, 2]
+    back = stock_manager(env).restore(2, args=ocp.args.Composite(params=ocp.args.StandardRestore(tree(2))))
+    assert same(back["params"], tree(2))
+
+
+def _attempt_path(env: Env, keys: set[str]) -> str:
+    if env.kind == "local":
+        (staging,) = {k.split("/")[2] for k in keys if k.startswith(".atomicstore/staging/")}
+        return os.path.join(env.root, ".atomicstore", "staging", staging)
+    return f"{env.root}/2"
+
+
+# -- what validate / validate_final accept ----------------------------------------------------------------
+def orbax_cleanup(env: Env, cls: Any) -> None:
+    """What ``CheckpointManagerOptions(cleanup_tmp_directories=True)`` runs when a manager
+    opens: Orbax deletes every child of the root that ``cls.validate`` accepts."""
+    asyncio.run(temporary_paths.cleanup_temporary_paths(env.root, temporary_path_cls=cls))
+
+
+def test_only_provably_uncommitted_dead_attempts_are_temporary(env: Env):
+    later = env.later()
+    mgr = manager(env)
+    mgr.save(1, args=ocp.args.StandardSave(tree(1)))
+    mgr.wait_until_finished()
+    live = env.cls.from_final(f"{env.root}/3")  # a save in flight in this process
+    asyncio.run(live.create())
+    d = env.store().driver
+    d.put("9.orbax-checkpoint-tmp-1/x", b"stock Orbax's staging, in flight or not: not ours")
+    d.put("8/_CHECKPOINT_METADATA", b"{}")  # a step directory without our claim (stock Orbax's)
+
+    def temporary(cls: Any, p: str) -> bool:
+        return ocp.path.step.is_path_temporary(p, temporary_path_cls=cls)
+
+    children = [f"{env.root}/{n}" for n in ("1", "8", "9.orbax-checkpoint-tmp-1", ".atomicstore")]
+    assert not any(temporary(c, p) for c in (env.cls, later) for p in children)
+    assert not temporary(env.cls, str(live.get()))  # its lease is alive
+    assert temporary(later, str(live.get()))  # seen from after its lease expired: dead
+    orbax_cleanup(env, env.cls)
+    assert env.cls.judge(live.get()).state == "in_flight"
+    # Orbax's own cleanup, through validate(), seen from the future: the dead attempt only
+    # (on disk it lives in atomicstore's staging, which Orbax never lists; recovery removes it)
+    orbax_cleanup(env, later)
+    assert d.exists("9.orbax-checkpoint-tmp-1/x") and d.exists("8/_CHECKPOINT_METADATA")
+    assert env.cls.verify(f"{env.root}/1")
+    if env.kind == "gcs":
+        assert not [k for k in env.listing() if k.startswith("3/")]
+    else:
+        assert os.path.isdir(str(live.get()))
+        later.recover(env.root)
+        assert not os.path.exists(str(live.get()))
+    live.abort()
+    assert not [k for k in env.listing() if k.startswith(("3/", ".atomicstore/leases/", ".atomicstore/staging/"))]
+    assert steps(manager(env)) == [1]
+
+
+def test_a_damaged_or_foreign_step_is_not_listed(env: Env):
+    mgr = manager(env)
+    for step in (1, 2, 3):
+        mgr.save(step, args=ocp.args.StandardSave(tree(step)))
+    mgr.wait_until_finished()
+    store = env.store()
+
+    def biggest(step: int) -> str:
+        files = env.cls.check_final(f"{env.root}/{step}").files
+        return max(files, key=lambda p: files[p].size)
+
+    store.driver.delete(f"1/{biggest(1)}")  # partly deleted (a crash inside a plain rmtree)
+    big = biggest(2)
+    if env.kind == "gcs":
+        data = store.driver.read(f"2/{big}")
+        store.driver.put(f"2/{big}", bytes(reversed(data)))  # same size, other bytes
+        store.driver.put("3/commit_success.txt", b"Checkpoint commit was successful")  # stock's marker
+    else:
+        with open(os.path.join(env.root, "2", big), "r+b") as f:
+            f.write(b"\xff" * 8)  # same size, other bytes: only a full read can tell
+        store.delete("3")
+    assert steps(manager(env)) == ([] if env.kind == "gcs" else [2])
+    with pytest.raises(atomicstore.ChecksumMismatchError):
+        env.cls.verify(f"{env.root}/2")
+    with pytest.raises((atomicstore.ChecksumMismatchError, atomicstore.NotFoundError)):
+        env.cls.verify(f"{env.root}/1")
+    with pytest.raises(ocp.path.atomicity_types.ValidationError, match="missing"):
+        env.cls.check_final(f"{env.root}/1")
+
+
+# -- arguments ----------------------------------------------------------------------------------
+def test_arguments_are_validated(tmp_path: Path):
+    for bad in ({"lease_ttl": 0}, {"lease_ttl": -1}, {"grace": -1}, {"operation_timeout": True},
+                {"clock": 5}):
+        with pytest.raises(atomicstore.InvalidArgumentError):
+            AtomicTemporaryPath.with_options(**bad)
+    with pytest.raises(atomicstore.InvalidArgumentError):
+        AtomicTemporaryPath.from_final(tmp_path / "has space")
+    with pytest.raises(atomicstore.InvalidArgumentError, match="snapshots"):
+        AtomicTemporaryPath.from_final(tmp_path / "1", snapshot_type=object())
+    with pytest.raises(atomicstore.InvalidArgumentError, match="mode"):
+        AtomicTemporaryPath.from_final(tmp_path / "1", file_options=ocp.options.FileOptions(
+            path_permission_mode=0o17777))
+    with pytest.raises(atomicstore.InvalidArgumentError):
+        AtomicTemporaryPath.open_store(3)
+    with pytest.raises(atomicstore.InvalidArgumentError):
+        AtomicTemporaryPath.recover(tmp_path, dry_run="yes")  # type: ignore[arg-type]
+    with pytest.raises(atomicstore.InvalidArgumentError):
+        AtomicTemporaryPath.recover(tmp_path, grace=-1)
+    handle = AtomicTemporaryPath.from_temporary(tmp_path / ".atomicstore" / "staging" / "4.20260101T000000-abc")
+    assert str(handle.get_final()) == str(tmp_path / "4") and handle.attempt == "20260101T000000-abc"
+    with pytest.raises(atomicstore.TransactionError):
+        asyncio.run(handle.finalize())
+    with pytest.raises(atomicstore.TransactionError):
+        asyncio.run(handle.create())
+    with pytest.raises(atomicstore.NotFoundError):
+        AtomicTemporaryPath.verify(tmp_path / "4")
