@@ -5,7 +5,7 @@ Orbax's own TensorStore ``gcs`` driver and epath/gcsfs. S3 is not among them: Or
 0.12.8 builds a TensorStore ``file`` spec for every path that is not ``gs://`` (an
 ``s3://`` path fails with "Checkpoint path should be absolute", or, without OCDBT, is
 written to a local directory named ``s3:``), so it cannot write to S3 at all; see
-``docs/integrations-orbax.md``.
+``docs/integrations.md`` ("Orbax").
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -32,7 +33,13 @@ from orbax.checkpoint._src.path import temporary_paths
 import atomicstore
 from atomicstore.integrations import orbax as aso
 from atomicstore.integrations.orbax import AtomicTemporaryPath
-from atomicstore.testing.faults import FaultPlan, is_conditional
+from atomicstore.testing.faults import (
+    FaultPlan,
+    is_conditional,
+    object_key,
+    request_kind,
+    writes_to,
+)
 
 WORKER = Path(__file__).with_name("orbax_worker.py")
 ORBAX_BACKENDS = ["local", "gcs"]
@@ -199,14 +206,13 @@ def test_two_writers_of_one_step_exactly_one_commits(env: Env):
         winner = tree(51)
         assert not os.listdir(os.path.join(env.root, ".atomicstore", "staging"))
     else:
-        # on an object store both would write in place: B is refused at create, before
-        # it writes a byte (the claim), and stock Orbax refuses B earlier still (the
-        # step directory exists)
+        # on an object store both would write in place: in this process B is refused as
+        # it begins (A's items could not be told from B's); another process's B is refused
+        # at create by A's claim (test_two_processes_save_one_step_through_the_atomic_manager)
         before = env.listing()
         attempt_a = json.loads(env.store().read_file(f"5/{aso.CLAIM_FILE}"))["attempt"]
-        b = env.cls.from_final(step)
-        with pytest.raises(atomicstore.CommitConflictError, match="refused before writing"):
-            asyncio.run(b.create())
+        with pytest.raises(atomicstore.CommitConflictError, match="another save in this process"):
+            env.cls.from_final(step)
         assert env.listing() == before
         gate.set()
         paused.wait_until_finished()
@@ -279,6 +285,299 @@ def _chain_has(exc: BaseException | None, cls: type) -> bool:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+# -- CheckpointManager: AtomicCheckpointManager never forces ----------------------------------------
+def atomic_manager(env: Env, **kw: Any) -> aso.AtomicCheckpointManager:
+    return aso.AtomicCheckpointManager(env.root, options=ocp.CheckpointManagerOptions(
+        temporary_path_class=env.cls, **kw))
+
+
+class Holder:
+    """tests/orbax_worker.py in ``hold`` mode: another process saving ``step`` through an
+    AtomicCheckpointManager, held right before its commit until ``gate`` exists."""
+
+    def __init__(self, env: Env, step: int, seed: int, gate: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), env.root, env.endpoint, "hold", str(step), str(seed), str(gate)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(WORKER.parent.parent))
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+        self.lines.put("EXIT")
+
+    def expect(self, prefix: str, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line != "EXIT", f"the worker exited before {prefix}"
+            if line.startswith(prefix):
+                return line
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_the_atomic_manager_never_deletes_a_step_another_writer_committed(env: Env):
+    # B opened its manager before A committed step 5: its listing does not know the step
+    b = atomic_manager(env, enable_async_checkpointing=False)
+    plain = manager(env)  # ocp.CheckpointManager with the class, also opened before
+    a = atomic_manager(env)
+    assert a.save(5, args=ocp.args.StandardSave(tree(50)))
+    a.wait_until_finished()
+    committed = env.cls.check_final(f"{env.root}/5")
+    before = env.listing()
+
+    with pytest.raises(aso.StepConflictError, match="refused before writing anything") as err:
+        b.save(5, args=ocp.args.StandardSave(tree(51)))
+    assert isinstance(err.value, atomicstore.CommitConflictError)  # and Orbax's StepAlreadyExistsError
+    assert isinstance(err.value, ocp.checkpoint_manager.StepAlreadyExistsError)
+    assert env.listing() == before  # nothing deleted, nothing written
+    assert env.cls.check_final(f"{env.root}/5").attempt == committed.attempt
+    assert env.cls.verify(f"{env.root}/5").files == committed.files
+    assert same(stock_manager(env).restore(5), tree(50))  # A's step, whole
+
+    # B goes on saving; a step it lists itself is refused with the same error
+    assert b.save(6, args=ocp.args.StandardSave(tree(6)))
+    with pytest.raises(aso.StepConflictError):  # force=True: save whatever should_save says
+        b.save(6, args=ocp.args.StandardSave(tree(7)), force=True)
+    assert steps(b) == [5, 6] and same(b.restore(6), tree(6))
+
+    # the stock manager's force=True deletes A's step before the class is asked: said out loud
+    with pytest.warns(aso.ForcedOverwriteWarning, match="force=True"):
+        plain.save(5, args=ocp.args.StandardSave(tree(52)))
+        plain.wait_until_finished()
+    assert env.cls.check_final(f"{env.root}/5").attempt != committed.attempt
+
+
+def test_the_atomic_manager_needs_the_class():
+    with pytest.raises(atomicstore.InvalidArgumentError, match="temporary_path_class"):
+        aso.AtomicCheckpointManager("/nonexistent/x", options=ocp.CheckpointManagerOptions(
+            temporary_path_class=ocp.path.atomicity.AtomicRenameTemporaryPath, create=False))
+    options = ocp.CheckpointManagerOptions(create=False)
+    mgr = aso.AtomicCheckpointManager("/nonexistent/x", options=options)
+    assert options.temporary_path_class is None  # the caller's options are left alone
+    assert isinstance(mgr, ocp.CheckpointManager)
+
+
+def test_two_processes_save_one_step_through_the_atomic_manager(env: Env, tmp_path: Path):
+    gate = tmp_path / "gate"
+    a = Holder(env, 5, 50, gate)
+    try:
+        a.expect("HELD")  # A wrote everything; held right before its commit
+        b = atomic_manager(env)
+        before = env.listing()
+        if env.kind == "gcs":
+            # A writes in place: B is refused before it writes or deletes anything
+            with pytest.raises(aso.StepConflictError):
+                b.save(5, args=ocp.args.StandardSave(tree(51)))
+            # a writer that gets past Orbax's check is refused at create by A's claim
+            late = env.cls.from_final(f"{env.root}/5")
+            with pytest.raises(atomicstore.CommitConflictError, match="refused before writing"):
+                asyncio.run(late.create())
+            assert env.listing() == before
+            gate.touch()
+            assert a.expect("RESULT") == "RESULT ok"
+            winner = 50
+        else:
+            # A stages where nobody looks: B commits first, A's rename is refused
+            assert b.save(5, args=ocp.args.StandardSave(tree(51)))
+            b.wait_until_finished()
+            gate.touch()
+            result = a.expect("RESULT")
+            assert "CommitConflictError" in result.split(), result
+            winner = 51
+        assert a.proc.wait(60) == 0
+    finally:
+        a.stop()
+    assert steps(manager(env)) == [5] and stock_manager(env).all_steps() == [5]
+    assert same(stock_manager(env).restore(5), tree(winner))  # the winner's bytes only
+    env.cls.verify(f"{env.root}/5")
+    assert not [k for k in env.listing() if k.startswith((".atomicstore/leases/", ".atomicstore/staging/5."))]
+
+
+# -- one process, several saves of one object-store step --------------------------------------------
+def _items(i: int) -> Any:
+    return ocp.args.Composite(params=ocp.args.StandardSave(tree(i)), extra=ocp.args.JsonSave({"who": i}))
+
+
+def _restore_items(env: Env) -> dict:
+    mgr = ocp.CheckpointManager(env.root, item_names=("params", "extra"))  # stock Orbax
+    return mgr.restore(5, args=ocp.args.Composite(params=ocp.args.StandardRestore(tree(0)),
+                                                  extra=ocp.args.JsonRestore()))
+
+
+@pytest.mark.parametrize("env", ["gcs"], indirect=True)
+def test_two_threads_save_one_step_exactly_one_commits(env: Env, gcs_server: Any):
+    # taking the step is slow (the claim's PUT stalls): the second save begins meanwhile
+    gcs_server.faults(FaultPlan(stalls=[(writes_to(f"5/{aso.CLAIM_FILE}"), 2.0)]))
+    results: dict[int, Any] = {}
+
+    def save(i: int) -> None:
+        mgr = aso.AtomicCheckpointManager(env.root, item_names=("params", "extra"),
+                                          options=ocp.CheckpointManagerOptions(
+                                              temporary_path_class=env.cls, enable_async_checkpointing=False))
+        try:
+            mgr.save(5, args=_items(i))
+            mgr.wait_until_finished()
+            results[i] = "ok"
+        except Exception as exc:  # noqa: BLE001 - checked below
+            results[i] = exc
+
+    first = threading.Thread(target=save, args=(1,))
+    first.start()
+    deadline = time.monotonic() + 60
+    while not [k for k in env.listing() if k.startswith(".atomicstore/leases/5.")]:
+        assert time.monotonic() < deadline and first.is_alive(), results
+        time.sleep(0.05)
+    second = threading.Thread(target=save, args=(2,))  # the first holds its lease, its claim in flight
+    second.start()
+    first.join(120)
+    second.join(120)
+    gcs_server.faults(None)
+    assert results[1] == "ok", results
+    assert isinstance(results[2], atomicstore.CommitConflictError), results
+    keys = env.listing()
+    # no item was taken for a step of its own (no claim, marker or lease inside the step)
+    assert not [k for k in keys if k.count("/") > 1 and k.rsplit("/", 1)[1] in (aso.CLAIM_FILE, "commit_success.txt")]
+    assert not [k for k in keys if k.startswith(".atomicstore/leases/")]
+    assert steps(manager(env)) == [5]
+    back = _restore_items(env)
+    assert same(back["params"], tree(1)) and back["extra"] == {"who": 1}
+
+
+@pytest.mark.parametrize("env", ["gcs"], indirect=True)
+def test_a_save_orbax_dropped_before_create_holds_up_no_other(env: Env, gcs_server: Any):
+    reached, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:  # holds the first save only, right before its commit
+        if not reached.is_set():
+            reached.set()
+            gate.wait(60)
+
+    handler = ocp.CompositeCheckpointHandler(composite_options=ocp.CompositeOptions(temporary_path_class=env.cls))
+    ckptr = ocp.AsyncCheckpointer(handler, temporary_path_class=env.cls,
+                                  async_options=ocp.AsyncOptions(post_finalization_callback=hold))
+    ckptr.save(f"{env.root}/4", args=_items(4))
+    assert reached.wait(60)
+
+    # A: Orbax makes the temporary path of step 5 (which reads what is at the step), then
+    # waits for the previous save before it creates it
+    probed = threading.Event()
+
+    def probe(environ: dict) -> bool:
+        if request_kind(environ) == "head" and (object_key(environ) or "").endswith(f"5/{aso.CLAIM_FILE}"):
+            probed.set()
+        return False
+
+    gcs_server.faults(FaultPlan(stalls=[(probe, 0.0)]))
+    outcome: list[Any] = []
+
+    def save_a() -> None:
+        try:
+            ckptr.save(f"{env.root}/5", args=_items(5))
+            ckptr.wait_until_finished()
+            outcome.append("ok")
+        except Exception as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+
+    t = threading.Thread(target=save_a)
+    t.start()
+    assert probed.wait(60)
+    # B: a save of step 5 that Orbax drops after making its temporary path and before its
+    # create (as it does when the destination exists or the previous save failed)
+    dropped = env.cls.from_final(f"{env.root}/5")
+    gcs_server.faults(None)
+    began = time.monotonic()
+    gate.set()
+    t.join(120)
+    assert outcome == ["ok"] and time.monotonic() - began < 60, outcome  # A's items took A's step
+    assert steps(manager(env)) == [4, 5]
+    back = _restore_items(env)
+    assert same(back["params"], tree(5)) and back["extra"] == {"who": 5}
+    del dropped
+
+
+# -- a writer declared dead while its marker is in flight -------------------------------------------
+@pytest.mark.parametrize("env", ["gcs"], indirect=True)
+def test_a_marker_landing_after_its_writer_was_declared_dead_is_taken_back(env: Env, gcs_server: Any):
+    cls = env.cls.with_options(lease_ttl=1.0, grace=0)
+    in_flight = threading.Event()
+    is_marker = writes_to("5/commit_success.txt")
+
+    def marker_put(environ: dict) -> bool:  # the commit point, delayed in the network
+        if is_marker(environ) and environ.get("REQUEST_METHOD") != "DELETE" and not in_flight.is_set():
+            in_flight.set()
+            return True
+        return False
+
+    def renewal(environ: dict) -> bool:  # and the writer's lease renewals with it (a partition)
+        return (in_flight.is_set() and is_conditional(environ) and environ.get("REQUEST_METHOD") != "DELETE"
+                and ".atomicstore/leases/" in (object_key(environ) or ""))
+
+    gcs_server.faults(FaultPlan(stalls=[(marker_put, 6.0), (renewal, 6.0)]))
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        ckptr = ocp.StandardCheckpointer(temporary_path_class=cls)
+        try:
+            ckptr.save(f"{env.root}/5", tree(5))
+            ckptr.wait_until_finished()
+        except Exception as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    t = threading.Thread(target=save)
+    t.start()
+    assert in_flight.wait(60)
+    deadline = time.monotonic() + 5
+    while (judged := cls.judge(f"{env.root}/5")).state != "stale":  # its lease expired (ttl 1 s, grace 0)
+        assert time.monotonic() < deadline, judged
+        time.sleep(0.1)
+    report = cls.recover(env.root)  # another process would do the same: fence, files, claim
+    assert [a.target for a in report.actions if a.kind == "orbax"] == ["5"]
+    t.join(60)
+    gcs_server.faults(None)
+    assert errors and _chain_has(errors[0], atomicstore.LeaseLostError), errors
+    assert not [k for k in env.listing() if k.startswith("5/")]  # the marker was taken back
+    assert steps(manager(env)) == [] and stock_manager(env).all_steps() == []
+    mgr = atomic_manager(env)  # and the step can be saved again
+    assert mgr.save(5, args=ocp.args.StandardSave(tree(55)))
+    mgr.wait_until_finished()
+    assert same(stock_manager(env).restore(5), tree(55))
+
+
+@pytest.mark.parametrize("env", ["gcs"], indirect=True)
+def test_recovery_removes_a_marker_whose_claim_and_files_are_gone(env: Env):
+    mgr = atomic_manager(env)
+    for step in (1, 2, 3):
+        mgr.save(step, args=ocp.args.StandardSave(tree(step)))
+    mgr.wait_until_finished()
+    d = env.store().driver
+    # 1: only the marker is left (a dead writer's, landed after recovery removed its step)
+    for k in d.find("1"):
+        if not k.endswith("/commit_success.txt"):
+            d.delete(k)
+    # 2: claim and some files gone (a committed step damaged by a plain delete): left alone
+    d.delete(f"2/{aso.CLAIM_FILE}")
+    d.delete("2/_CHECKPOINT_METADATA")
+    d.put("4/commit_success.txt", b"Checkpoint commit was successful")  # stock Orbax's: never touched
+    assert stock_manager(env).all_steps() == [1, 2, 3, 4]  # stock Orbax lists what it cannot restore
+    assert env.cls.recover(env.root).actions == []  # younger than grace: its writer may take it back
+    report = env.later().recover(env.root)
+    assert [(a.kind, a.target) for a in report.actions] == [("marker", "1/commit_success.txt")]
+    keys = env.listing()
+    assert not [k for k in keys if k.startswith("1/")]
+    assert {"2/commit_success.txt", "4/commit_success.txt"} <= keys
+    env.cls.verify(f"{env.root}/3")
+    fresh = atomic_manager(env)  # the step is free again
+    assert fresh.save(1, args=ocp.args.StandardSave(tree(11)), force=True)  # (below the latest step)
+    fresh.wait_until_finished()
+    assert same(stock_manager(env).restore(1), tree(11))
 
 
 # -- a save killed mid-write -----------------------------------------------------------------------

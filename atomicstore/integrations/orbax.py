@@ -1,4 +1,5 @@
-"""Orbax saves committed through atomicstore: :class:`AtomicTemporaryPath`.
+"""Orbax saves committed through atomicstore: :class:`AtomicTemporaryPath`, and
+:class:`AtomicCheckpointManager`.
 
 Orbax (``orbax-checkpoint``) writes a checkpoint into a *temporary path* and then
 *finalizes* it; the class doing both is pluggable through its ``temporary_path_class``
@@ -6,13 +7,22 @@ option (``CheckpointManagerOptions``, ``Checkpointer``, ``AsyncCheckpointer``,
 ``StandardCheckpointer``)::
 
     import orbax.checkpoint as ocp
-    from atomicstore.integrations.orbax import AtomicTemporaryPath
+    from atomicstore.integrations.orbax import AtomicCheckpointManager, AtomicTemporaryPath
 
-    mgr = ocp.CheckpointManager("/ckpts/run-42", options=ocp.CheckpointManagerOptions(
-        temporary_path_class=AtomicTemporaryPath))
+    mgr = AtomicCheckpointManager("/ckpts/run-42")  # temporary_path_class=AtomicTemporaryPath
     Gcs = AtomicTemporaryPath.with_options(project="my-project", lease_ttl=60)
-    mgr = ocp.CheckpointManager("gs://bucket/run-42", options=ocp.CheckpointManagerOptions(
+    mgr = AtomicCheckpointManager("gs://bucket/run-42", options=ocp.CheckpointManagerOptions(
         temporary_path_class=Gcs))
+    ckptr = ocp.StandardCheckpointer(temporary_path_class=Gcs)
+
+Orbax's own ``ocp.CheckpointManager.save`` calls its checkpointer with ``force=True``,
+which deletes an existing ``<root>/<step>`` (another writer's committed step, or its save
+in flight) *before* the temporary path is made: no temporary path class can refuse that.
+:class:`AtomicCheckpointManager` is the same manager saving with ``force=False``: an
+existing step is refused with :class:`StepConflictError` (a
+:class:`~atomicstore.CommitConflictError`) before anything is written or deleted. With a
+plain asynchronous manager, a step that was there when its save began and is gone at
+``create`` is reported (:class:`ForcedOverwriteWarning`), too late to keep it.
 
 A step ``<root>/<step>`` is saved by one attempt under a lease, in the atomicstore store
 at ``<root>``:
@@ -39,6 +49,9 @@ at ``<root>``:
   step), which is atomicstore's record of the step: attempt, writer, and the size and
   CRC32C of every file. A refused create whose bytes turn out to be ours (a lost reply)
   is a commit; another writer's marker is :class:`~atomicstore.CommitConflictError`.
+  After the marker landed, the claim and the files are checked once more: a writer
+  declared dead whose marker PUT was delayed past its lease (recovery removed its step
+  meanwhile) deletes its marker again and raises :class:`~atomicstore.LeaseLostError`.
 
 ``validate_final`` (what Orbax lists and restores) accepts a step only if its manifest or
 marker is intact and every file it names is present, read afresh, with its recorded size
@@ -51,8 +64,11 @@ After a crash ``store.recover()`` removes what a save left on local disk. On obj
 stores it removes the dead lease but never Orbax's in-place files (the commit layer does
 not delete keys it does not own): :meth:`AtomicTemporaryPath.recover` runs
 ``store.recover()`` and removes claimed in-place steps that are provably uncommitted and
-dead (the lease fenced first, the claim removed last). ``docs/integrations-orbax.md``
-says what is and is not guaranteed.
+dead (the lease fenced first, the claim removed last), and markers of this integration
+whose claim and files are all gone (a dead writer's late marker). On object stores one
+process saves a step once at a time: a second save of a step this process is creating or
+holding is refused as it begins (:class:`~atomicstore.CommitConflictError`).
+``docs/integrations.md`` ("Orbax") says what is and is not guaranteed.
 
 Supported: ``orbax-checkpoint`` :data:`SUPPORTED_ORBAX` (tested), one JAX process.
 """
@@ -63,14 +79,16 @@ import asyncio
 import concurrent.futures
 import inspect
 import json
+import logging
 import os
 import re
 import stat
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -100,8 +118,11 @@ __all__ = [
     "METADATA_KEY",
     "ORBAX_VERSION",
     "SUPPORTED_ORBAX",
+    "AtomicCheckpointManager",
     "AtomicTemporaryPath",
+    "ForcedOverwriteWarning",
     "OrbaxVersionError",
+    "StepConflictError",
     "check_orbax_version",
 ]
 
@@ -114,9 +135,13 @@ METADATA_KEY = "orbax"
 #: ``format`` of an object-store step's ``commit_success.txt`` (and of the metadata)
 COMMIT_FORMAT = "atomicstore.orbax/1"
 _CLAIM_FORMAT = "atomicstore.orbax-claim/1"
+log = logging.getLogger(__name__)
 _MAX_CLAIM_BYTES = 64 * 2**10
 _MAX_MARKER_BYTES = 64 * 2**20
-#: how long an item directory waits for its step's ``create`` (seconds)
+#: how long an item waits for its step's ``create`` to begin (seconds): Orbax begins it
+#: before it makes the items, so a step that has not begun by then never will
+_START_WAIT = 60.0
+#: how long an item waits for a ``create`` that has begun (bounded by its own timeouts)
 _CREATE_WAIT = 600.0
 
 
@@ -147,6 +172,7 @@ def check_orbax_version(version: str) -> None:
 try:
     import orbax.checkpoint as ocp
     from etils import epath
+    from orbax.checkpoint import checkpoint_manager as _ocp_checkpoint_manager
     from orbax.checkpoint._src.metadata import checkpoint as _ocp_checkpoint_metadata
     from orbax.checkpoint._src.metadata import (
         step_metadata_serialization as _ocp_step_serialization,
@@ -186,8 +212,34 @@ if COMMIT_SUCCESS_FILE != MARKER_FILE:  # pragma: no cover - the same in every s
 
 _STORES: dict[tuple[type, str], Store] = {}
 _STORES_LOCK = threading.Lock()
-#: step temporary paths of saves in flight in this process: their children are items
-_LIVE: weakref.WeakValueDictionary[str, AtomicTemporaryPath] = weakref.WeakValueDictionary()
+#: the step attempts of this process by temporary path, oldest first (on object stores the
+#: temporary path is the step itself, so one path can have several): their children are
+#: items. An attempt leaves when it is finalized or aborted, or when Orbax drops it.
+_LIVE: dict[str, list[weakref.ref[AtomicTemporaryPath]]] = {}
+_LIVE_LOCK = threading.Lock()
+#: ``.step``: the step attempt this thread's save made last. Orbax makes a save's items in
+#: the thread that made its step, which is how an item finds its own attempt among several
+#: of one step (two threads saving the same step)
+_THREAD = threading.local()
+
+
+def _attempts_at(path: str) -> list[AtomicTemporaryPath]:
+    """The step attempts of this process at temporary path ``path`` (hold ``_LIVE_LOCK``)."""
+    refs = _LIVE.get(path, [])
+    alive = [a for a in (r() for r in refs) if a is not None]
+    if len(alive) != len(refs):
+        if alive:
+            _LIVE[path] = [weakref.ref(a) for a in alive]
+        else:
+            _LIVE.pop(path, None)
+    return alive
+
+
+class ForcedOverwriteWarning(UserWarning):
+    """A step that existed when an Orbax save of it began (committed, or being saved by
+    another writer) was deleted before the save's ``create``: Orbax's ``force=True``
+    (which ``ocp.CheckpointManager.save`` always passes) removed it. Another writer's
+    checkpoint may have been lost: use :class:`AtomicCheckpointManager`."""
 
 
 def _abandon(txn: Transaction | None, lease: Lease | None) -> None:
@@ -275,8 +327,11 @@ class AtomicTemporaryPath(_TemporaryPath):
         self._lease: Lease | None = None  # in place (object stores)
         self._claimed = False  # in place: this attempt holds the step's claim
         self._finalized = False
-        self._created = threading.Event()
+        self._started = False  # create has begun
+        self._created = threading.Event()  # create has ended, well or not
         self._create_error: BaseException | None = None
+        self._ended = False  # finalized or aborted
+        self._found: tuple[str, str | None] | None = None  # what was at the step at from_final
         self._finalizer: weakref.finalize | None = None
 
     @property
@@ -310,9 +365,9 @@ class AtomicTemporaryPath(_TemporaryPath):
         if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777):
             raise InvalidArgumentError(f"path_permission_mode must be a mode like 0o750, not {mode!r}")
         parent = str(final.parent)
-        step = _LIVE.get(parent)
+        step = _item_step(parent)
         if step is not None or _staging_parts(parent) is not None:
-            # an item of a step in flight: a plain directory inside the step's attempt
+            # an item of a step of this process: a plain directory inside the step's attempt
             return cls(final=final, tmp=final, root=None, name=None, attempt=None,
                        step=step or _detached(cls, parent), mode=mode)
         _check_single_process()
@@ -325,7 +380,18 @@ class AtomicTemporaryPath(_TemporaryPath):
             tmp = epath.Path(store.driver.path(store.strategy.attempt_prefix(name, attempt)))
         self = cls(final=final, tmp=tmp, root=_root_string(parent), name=name, attempt=attempt,
                    metadata_store=checkpoint_metadata_store, mode=mode)
-        _LIVE[str(tmp)] = self
+        self._found = _probe(store, name)
+        with _LIVE_LOCK:
+            # on object stores every attempt of a step writes into the step itself: a save
+            # of this process already taking or holding it is not joined but refused (its
+            # items could not be told apart); one Orbax abandoned before create is ignored
+            busy = [a for a in _attempts_at(str(tmp)) if a._in_flight()]
+            if busy:
+                raise CommitConflictError(
+                    f"step {store.driver.describe(name)} is being saved by another save in this "
+                    f"process (attempt {busy[0].attempt}): refused before writing anything", name=name)
+            _LIVE.setdefault(str(tmp), []).append(weakref.ref(self))
+        _THREAD.step = weakref.ref(self)
         return self
 
     @classmethod
@@ -359,6 +425,10 @@ class AtomicTemporaryPath(_TemporaryPath):
         kind = "item" if self.is_item else f"step {self._name!r}, attempt {self._attempt}"
         return f"AtomicTemporaryPath({kind}, tmp={str(self._tmp)!r})"
 
+    def _in_flight(self) -> bool:
+        """A step attempt whose create has begun, and neither failed nor ended."""
+        return self._started and not self._ended and self._create_error is None
+
     def _store(self) -> Store:
         if self._root is None:
             raise TransactionError(f"{self} belongs to no store")
@@ -379,8 +449,17 @@ class AtomicTemporaryPath(_TemporaryPath):
     def _create_item(self) -> None:
         step = self._step
         assert step is not None
-        if not step._created.wait(_CREATE_WAIT):
-            raise TransactionError(f"{self}: its step was not created within {_CREATE_WAIT:.0f}s")
+        # Orbax begins a step's create before it makes its items (and, creating directories
+        # asynchronously, creates the items once the step's signal came): a step whose create
+        # has not begun within _START_WAIT was abandoned by Orbax and never will
+        begun = time.monotonic()
+        while not step._created.wait(0.2):
+            waited = time.monotonic() - begun
+            if not step._started and waited > _START_WAIT:
+                raise TransactionError(f"{self}: its step's create was not called within {_START_WAIT:.0f}s "
+                                       "(Orbax abandoned that save)")
+            if waited > _CREATE_WAIT:
+                raise TransactionError(f"{self}: its step was not created within {_CREATE_WAIT:.0f}s")
         if step._create_error is not None:
             raise TransactionError(f"{self}: its step failed to begin: {step._create_error}")
         if "://" not in str(self._tmp):  # local disk (object stores have no directories)
@@ -390,12 +469,15 @@ class AtomicTemporaryPath(_TemporaryPath):
                 raise StorageError(f"could not create {self._tmp}: {exc}") from exc
 
     def _begin(self) -> None:
+        if self._handle or self._name is None or self._attempt is None:
+            raise TransactionError(f"{self} was not made by from_final: it cannot be saved into")
+        with _LIVE_LOCK:
+            if self._started or self._ended:
+                raise TransactionError(f"{self} was already created or aborted")
+            self._started = True
         try:
-            if self._txn is not None or self._lease is not None:
-                raise TransactionError(f"{self} was already created")
-            if self._handle or self._name is None or self._attempt is None:
-                raise TransactionError(f"{self} was not made by from_final: it cannot be saved into")
             store = self._store()
+            self._check_not_forced(store)
             if _in_place_store(store):
                 self._begin_in_place(store)
             else:
@@ -405,6 +487,30 @@ class AtomicTemporaryPath(_TemporaryPath):
             raise
         finally:
             self._created.set()
+
+    def _check_not_forced(self, store: Store) -> None:
+        """Warn (:class:`ForcedOverwriteWarning`) if the step that was there when this save
+        began is gone now: Orbax's ``force=True`` deleted it before calling ``create``."""
+        if self._found is None:
+            return
+        assert self._name is not None
+        kind, _gen = self._found
+        d = store.driver
+        if kind == "step":
+            gone = not os.path.isdir(d.path(self._name))
+        else:
+            gone = not d.exists(f"{self._name}/{CLAIM_FILE}")
+        if not gone:
+            return  # still there: create refuses this save (CommitConflictError)
+        what = {"step": "a step directory", "committed": "a committed step",
+                "claimed": "a step being saved by another writer (or left by a crashed save)"}[kind]
+        msg = (f"{d.describe(self._name)} held {what} when this save began, and it was deleted before "
+               "the save's create, most likely by Orbax's force=True (which ocp.CheckpointManager.save "
+               "always passes: it removes an existing step before AtomicTemporaryPath can refuse the "
+               "save). If another writer saved it, its checkpoint is lost. Save through "
+               "atomicstore.integrations.orbax.AtomicCheckpointManager, which never forces.")
+        log.warning("%s", msg)
+        warnings.warn(msg, ForcedOverwriteWarning, stacklevel=2)
 
     def _begin_staged(self, store: Store) -> None:
         assert self._name is not None and self._attempt is not None
@@ -569,25 +675,67 @@ class AtomicTemporaryPath(_TemporaryPath):
             self._end(abort=True)  # nothing was committed; this attempt holds the claim
             raise
         key = f"{name}/{MARKER_FILE}"
+        written: str | None
         try:
-            # the commit point: ifGenerationMatch=0 / If-None-Match; a refused retry of our
-            # own landed write is recognised by reading the bytes back
-            store.write_file(key, marker, overwrite=False)
+            # the commit point: ifGenerationMatch=0 / If-None-Match
+            written = d.put(key, marker, exclusive=True)
         except AlreadyExistsError:
-            self._end(abort=False)
-            lease.release()
-            raise CommitConflictError(
-                f"step {d.describe(name)} was committed by another writer", name=name) from None
+            # another writer's marker, or our own first try landed and only its reply was
+            # lost (the retry was refused): read the bytes back to know which
+            ours, written = _holds(store, key, marker)
+            if not ours:
+                self._end(abort=False)
+                lease.release()
+                raise CommitConflictError(
+                    f"step {d.describe(name)} was committed by another writer", name=name) from None
         except BaseException as exc:
             # a timeout, or retries exhausted: the write may have landed (then we committed)
             # or may still land, so the attempt is kept (its lease object too, so that
             # recovery waits ttl + grace) for recovery to judge
-            if not (isinstance(exc, Exception) and _landed(store, key, marker)):
+            ours, written = _holds(store, key, marker) if isinstance(exc, Exception) else (False, None)
+            if not ours:
                 self._end(abort=False)
                 lease.stop()
                 raise
+        if written is None:  # a store that does not report generations
+            written = _holds(store, key, marker)[1]
+        try:
+            self._check_committed_step(store, files, written)
+        except LeaseLostError:
+            self._end(abort=False)
+            lease.stop()
+            raise
         self._end(abort=False)
         lease.release()
+
+    def _check_committed_step(self, store: Store, files: Mapping[str, FileEntry], written: str | None) -> None:
+        """After the marker landed (as the core marker protocol does after its PUT): the
+        claim must still be this attempt's and every file it records still there. A writer
+        declared dead whose PUT was delayed past ``lease_ttl + grace`` lands its marker on a
+        step recovery has removed (files, then claim): then the marker is taken back,
+        conditionally on the generation just written, and :class:`LeaseLostError` raised.
+        (Recovery removes such a marker too, if this writer dies before taking it back.)"""
+        assert self._name is not None
+        name, d = self._name, store.driver
+        holder = _read_claim(store, name)
+        claim_ours = holder is not None and holder["attempt"] == self._attempt
+        found = d.find(name) if claim_ours else {}
+        missing = [rel for rel, e in files.items()
+                   if (i := found.get(f"{name}/{rel}")) is None or i.size != e.size]
+        if claim_ours and not missing:
+            return
+        key = f"{name}/{MARKER_FILE}"
+        try:
+            if written is not None:
+                d.delete(key, if_generation=written)
+        except (PreconditionFailedError, NotFoundError):
+            pass  # replaced or removed meanwhile: not ours to touch
+        self._claimed = False
+        why = f"{len(missing)} of its files are gone" if claim_ours else "its claim is gone or another attempt's"
+        raise LeaseLostError(
+            f"{d.describe(name)}: this writer's commit marker landed after it was declared dead and "
+            f"its step removed by recovery ({why}): the marker was taken back, nothing committed",
+            name=name)
 
     def abort(self) -> None:
         """Discard an attempt this process created and has not begun to finalize: its
@@ -602,7 +750,13 @@ class AtomicTemporaryPath(_TemporaryPath):
     def _end(self, *, abort: bool) -> None:
         """Stop tracking the attempt; with ``abort``, discard it: staging and lease, and on
         object stores, if this attempt holds the claim, its in-place files and the claim."""
-        _LIVE.pop(str(self._tmp), None)
+        self._ended = True
+        if self._finalized:  # no item of it can come after its finalize
+            with _LIVE_LOCK:
+                refs = _LIVE.get(str(self._tmp), [])
+                refs[:] = [r for r in refs if r() is not self]
+                if not refs:
+                    _LIVE.pop(str(self._tmp), None)
         if self._finalizer is not None:
             self._finalizer.detach()
         if not abort:
@@ -687,9 +841,11 @@ class AtomicTemporaryPath(_TemporaryPath):
         """Recover the Orbax root ``directory``: on object stores, first remove each claimed
         in-place step that is provably uncommitted and dead (its expired lease fenced
         first, so the dead writer can never commit; its objects removed; the claim last,
-        so that no new attempt takes the step before it is empty), then
-        ``store.recover()`` (stale staging, dead leases, orphaned uploads). Returns that
-        report, with the in-place removals first (``kind="orbax"``)."""
+        so that no new attempt takes the step before it is empty) and each marker of this
+        integration older than ``grace`` whose claim and files are all gone (a dead
+        writer's marker that landed late: ``kind="marker"``), then ``store.recover()``
+        (stale staging, dead leases, orphaned uploads). Returns that report, with the
+        in-place removals first (``kind="orbax"``)."""
         if not isinstance(dry_run, bool):
             raise InvalidArgumentError("dry_run must be a bool")
         if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int | float) or grace < 0):
@@ -737,6 +893,105 @@ class AtomicTemporaryPath(_TemporaryPath):
         return manifest
 
 
+class StepConflictError(CommitConflictError, _ocp_checkpoint_manager.StepAlreadyExistsError):
+    """:class:`AtomicCheckpointManager` refused to save a step that exists (committed, or
+    being saved by another writer): before anything was written. Both atomicstore's
+    :class:`~atomicstore.CommitConflictError` and Orbax's ``StepAlreadyExistsError`` (a
+    ``ValueError``), so either ``except`` clause catches it."""
+
+
+_DESTINATION_EXISTS = re.compile(r"Destination .* already exists\.?", re.DOTALL)
+
+
+def _save_without_force(save: Any, directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """``save(directory, ..., force=False)``: Orbax's "Destination ... already exists"
+    becomes :class:`StepConflictError`."""
+    kwargs["force"] = False
+    try:
+        return save(directory, *args, **kwargs)
+    except ValueError as exc:
+        if isinstance(exc, AtomicStoreError) or not _DESTINATION_EXISTS.fullmatch(str(exc)):
+            raise
+        path = epath.Path(directory)
+        raise StepConflictError(
+            f"step {path} already exists (committed, or being saved by another writer, or left by a "
+            "crashed save until recovery removes it): refused before writing anything",
+            name=path.name) from exc
+
+
+class _Checkpointer(ocp.Checkpointer):
+    """Orbax's ``Checkpointer``, never deleting an existing destination (``force`` ignored)."""
+
+    def save(self, directory: Any, *args: Any, force: bool = False, **kwargs: Any) -> Any:
+        return _save_without_force(super().save, directory, *args, **kwargs)
+
+
+class _AsyncCheckpointer(ocp.AsyncCheckpointer):
+    """Orbax's ``AsyncCheckpointer``, never deleting an existing destination."""
+
+    def save(self, directory: Any, *args: Any, force: bool = False, **kwargs: Any) -> Any:
+        return _save_without_force(super().save, directory, *args, **kwargs)
+
+
+class AtomicCheckpointManager(ocp.CheckpointManager):
+    """``ocp.CheckpointManager`` made safe for several writers of one directory.
+
+    Orbax's ``CheckpointManager.save`` calls its checkpointer with ``force=True``, which
+    deletes whatever is at ``<directory>/<step>`` (another writer's committed step, or its
+    save in flight) *before* the temporary path is created, so no ``temporary_path_class``
+    can refuse it. This manager is the same class with two differences:
+
+    * its checkpointer saves with ``force=False``: a step that exists is refused before
+      anything is written or deleted, with :class:`StepConflictError` (an
+      :class:`~atomicstore.CommitConflictError`); a step saved concurrently is decided by
+      :class:`AtomicTemporaryPath` (claim and conditional marker on object stores,
+      ``rename(NOREPLACE)`` on disk), the loser getting ``CommitConflictError``;
+    * ``options.temporary_path_class`` defaults to :class:`AtomicTemporaryPath` (a
+      class given must be one of its subclasses, e.g. from :meth:`~AtomicTemporaryPath.with_options`).
+
+    A step this manager already lists raises :class:`StepConflictError` too (Orbax raises
+    its ``StepAlreadyExistsError`` there). Everything else (arguments, restore, retention,
+    async saves) is ``ocp.CheckpointManager``'s.
+    """
+
+    def __init__(self, directory: Any, checkpointers: Any = None, options: Any = None,
+                 **kwargs: Any) -> None:
+        if options is None:
+            options = ocp.CheckpointManagerOptions()
+        elif not isinstance(options, ocp.CheckpointManagerOptions):
+            raise InvalidArgumentError(
+                f"options must be an ocp.CheckpointManagerOptions, not {type(options).__name__}")
+        else:
+            options = replace(options)  # Orbax mutates its options: not the caller's
+        cls = options.temporary_path_class
+        if cls is None:
+            options.temporary_path_class = AtomicTemporaryPath
+        elif not (isinstance(cls, type) and issubclass(cls, AtomicTemporaryPath)):
+            raise InvalidArgumentError(
+                "AtomicCheckpointManager commits through AtomicTemporaryPath: "
+                f"temporary_path_class must be AtomicTemporaryPath or a subclass, not {cls!r}")
+        super().__init__(directory, checkpointers, options, **kwargs)
+
+    def _configure_checkpointer_common(self, handler: Any, options: Any, use_async: bool) -> Any:
+        ckptr = super()._configure_checkpointer_common(handler, options, use_async)
+        for stock, safe in ((ocp.AsyncCheckpointer, _AsyncCheckpointer), (ocp.Checkpointer, _Checkpointer)):
+            if type(ckptr) is stock:
+                ckptr.__class__ = safe  # the checkpointer Orbax configured, saving without force
+                return ckptr
+        raise OrbaxVersionError(  # pragma: no cover - every supported release makes one of them
+            f"orbax-checkpoint {ORBAX_VERSION} configured a {type(ckptr).__name__}: cannot make it save "
+            "without force")
+
+    def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
+        try:
+            return bool(super().save(step, *args, **kwargs))
+        except _ocp_checkpoint_manager.StepAlreadyExistsError as exc:
+            if isinstance(exc, StepConflictError):
+                raise
+            raise StepConflictError(f"step {step} of {self.directory} already exists: {exc}",
+                                    name=str(step)) from exc
+
+
 # -- helpers ---------------------------------------------------------------------------------
 def _root_string(directory: Any) -> str:
     if not (isinstance(directory, str | os.PathLike) or hasattr(directory, "as_posix")):
@@ -775,6 +1030,45 @@ def _staging_parts(path: str) -> tuple[str, str, str] | None:
     except InvalidArgumentError:
         return None
     return reserved[: -len(RESERVED_DIR) - 1], name, attempt
+
+
+def _item_step(parent: str) -> AtomicTemporaryPath | None:
+    """The step attempt of this process whose child ``parent``'s children are (items), or
+    None if ``parent`` is no step attempt's temporary path. Among several attempts of one
+    step (object stores), the one this thread made last (Orbax makes a save's items in the
+    thread that made its step); else the only one not failed or ended."""
+    with _LIVE_LOCK:
+        found = _attempts_at(parent)
+    if not found:
+        return None
+    ref = getattr(_THREAD, "step", None)
+    mine = ref() if ref is not None else None
+    if mine is not None and any(a is mine for a in found):
+        return mine
+    live = [a for a in found if not a._ended and a._create_error is None]
+    begun = [a for a in live if a._started]
+    if len(live) == 1:
+        return live[0]
+    if len(begun) == 1:
+        return begun[0]  # the others were never created (Orbax abandoned them)
+    if not live:
+        return found[-1]  # its create failed: so does the item's
+    raise CommitConflictError(f"{len(live)} saves of {parent} are in flight in this process: cannot tell "
+                              "which one this item belongs to", name=epath.Path(parent).name)
+
+
+def _probe(store: Store, name: str) -> tuple[str, str | None] | None:
+    """What is at step ``name`` as a save of it begins (from_final), to tell at its create
+    whether Orbax's ``force=True`` deleted it in between: ``("step", None)`` (a directory,
+    on disk), ``("committed" | "claimed", claim generation)`` (object stores), None."""
+    d = store.driver
+    try:
+        if not _in_place_store(store):
+            return ("step", None) if os.path.isdir(d.path(name)) else None
+        gen = d.info(f"{name}/{CLAIM_FILE}").generation  # nothing there: one request
+        return ("committed" if d.exists(f"{name}/{MARKER_FILE}") else "claimed"), gen
+    except (NotFoundError, StorageError, OSError):
+        return None
 
 
 def _detached(cls: type[AtomicTemporaryPath], parent: str) -> AtomicTemporaryPath:
@@ -930,12 +1224,17 @@ def _parse_marker(raw: bytes, name: str, where: str) -> Manifest:
                     committed=float(committed))
 
 
-def _landed(store: Store, key: str, data: bytes) -> bool:
-    """True if ``key`` holds exactly ``data`` now (a write whose outcome was unclear)."""
+def _holds(store: Store, key: str, data: bytes) -> tuple[bool, str | None]:
+    """(True, its generation) if ``key`` holds exactly ``data`` now (a write whose outcome
+    was unclear), else (False, None). The generation is read first: a conditional delete
+    on it fails if the object changed after."""
     try:
-        return store.driver.read(key) == data
+        gen = store.driver.info(key).generation
+        if store.driver.read(key) != data:
+            return False, None
     except (NotFoundError, StorageError):
-        return False
+        return False, None
+    return True, gen
 
 
 def _read_claim(store: Store, name: str) -> dict[str, Any] | None:
@@ -1042,6 +1341,8 @@ def _remove_in_place(store: Store, name: str, *, keep_claim: bool,
 def _recover_in_place(store: Store, name: str, now: float, grace: float, dry_run: bool
                       ) -> RecoveryAction | None:
     j = _judge_in_place(store, name, now, grace)
+    if j.state == "foreign" and j.claim_generation is None:
+        return _recover_dangling_marker(store, name, now, grace, dry_run)
     if j.state != "stale":
         return None
     why = f"uncommitted in-place Orbax step (attempt {j.attempt}): {j.reason}"
@@ -1062,4 +1363,61 @@ def _recover_in_place(store: Store, name: str, now: float, grace: float, dry_run
     except NotFoundError:
         return None
     n = _remove_in_place(store, name, keep_claim=False, claim_generation=j.claim_generation)
+    # a marker of the dead writer landing during the removal (its PUT delayed in the network)
+    # names files that are gone now: take it back at once (its writer, if it still runs,
+    # does the same when it checks its step after the PUT)
+    _take_back_marker(store, name, j.attempt)
     return RecoveryAction("orbax", name, why, n + 1)
+
+
+def _take_back_marker(store: Store, name: str, attempt: str) -> bool:
+    """Remove ``name``'s marker if it is this integration's record of ``attempt`` (at the
+    generation read with it); True if removed."""
+    d = store.driver
+    key = f"{name}/{MARKER_FILE}"
+    try:
+        gen = d.info(key).generation
+        raw = d.read(key, 0, _MAX_MARKER_BYTES + 1)
+        if _parse_marker(raw, name, d.describe(key)).attempt != attempt:
+            return False
+        d.delete(key, if_generation=gen)
+    except (NotFoundError, CorruptionError, PreconditionFailedError):
+        return False
+    return True
+
+
+def _recover_dangling_marker(store: Store, name: str, now: float, grace: float, dry_run: bool
+                             ) -> RecoveryAction | None:
+    """A step holding only this integration's marker, its claim and every file it records
+    gone: a writer declared dead whose marker PUT landed after recovery removed its step
+    (and which died before taking it back), or a delete that stopped before the marker.
+    Stock Orbax would list it and fail to restore it, and it blocks new saves of the step.
+    Once older than ``grace`` (its writer takes it back itself right after its PUT), it is
+    removed at the generation read, its record read afresh. A step whose files are only
+    partly gone is left alone (a committed step damaged by a plain delete: not provably
+    garbage)."""
+    d = store.driver
+    key = f"{name}/{MARKER_FILE}"
+    try:
+        info = d.info(key)
+        raw = d.read(key, 0, _MAX_MARKER_BYTES + 1)
+    except NotFoundError:
+        return None
+    try:
+        record = _parse_marker(raw, name, d.describe(key))
+    except CorruptionError:
+        return None  # stock Orbax's marker, or not ours: never touched
+    if (info.mtime if info.mtime is not None else now) + grace > now:
+        return None
+    if d.exists(f"{name}/{CLAIM_FILE}"):
+        return None
+    found = d.find(name)
+    if any(f"{name}/{rel}" in found for rel in record.files):
+        return None
+    why = f"commit marker of attempt {record.attempt} whose claim and files are gone"
+    if not dry_run:
+        try:
+            d.delete(key, if_generation=info.generation)
+        except (PreconditionFailedError, NotFoundError):
+            return None  # changed meanwhile: the next pass decides
+    return RecoveryAction("marker", key, why, 1)
