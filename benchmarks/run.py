@@ -8,6 +8,7 @@ during the operation minus RSS before it). Prints a Markdown table with ratios.
     nox -s bench -- --only multihost               # only the multi-process table (1 and 4 GiB)
     nox -s bench -- --only multihost --mp-sizes 1024 --mp-procs 1,2
     nox -s bench -- --only integrations            # torch DCP and Orbax: stock storage vs atomicstore
+    nox -s bench -- --only cloud --cloud-sizes 256,1024   # S3/GCS clients through a shaped link
 """
 
 from __future__ import annotations
@@ -448,9 +449,13 @@ def main() -> None:
     ap.add_argument("--leaf", type=int, default=ARRAY_BYTES)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="256 MiB instead of 1 GiB, no 4 GiB case")
-    ap.add_argument("--only", choices=["all", "single", "multihost", "integrations"], default="all",
+    ap.add_argument("--only", choices=["all", "single", "multihost", "integrations", "cloud"], default="all",
                     help="single: the one-process cases against the anchors; multihost: the multi-process table; "
-                         "integrations: torch DCP and Orbax, stock storage against atomicstore's")
+                         "integrations: torch DCP and Orbax, stock storage against atomicstore's; "
+                         "cloud: S3/GCS clients on a shaped link (benchmarks/cloud.py)")
+    ap.add_argument("--cloud-sizes", default="256", help="cloud link table: total MiB per case, comma-separated "
+                    "(256: ~12 min per run of every case, 1024: ~40 min)")
+    ap.add_argument("--cloud-repeat", type=int, default=1, help="runs per cloud case")
     ap.add_argument("--mp-sizes", default=None,
                     help="multi-process array sizes in MiB, comma-separated (default: --bytes and 4 x --bytes; "
                          "--quick: 256)")
@@ -463,6 +468,10 @@ def main() -> None:
     total = 256 * MiB if args.quick else args.bytes
     if args.only in ("all", "single"):
         single_table(args, total)
+    if args.only in ("all", "cloud"):
+        import cloud  # benchmarks/cloud.py: the link shaper in front of the S3 and GCS fakes
+
+        cloud.cloud_table([int(float(x) * MiB) for x in args.cloud_sizes.split(",")], args.cloud_repeat)
     if args.only in ("all", "integrations"):
         table([(title, size, ARRAY_BYTES, op, libs) for title, size, op, libs in integrations.groups(total)],
               args.repeat, "the stock storage of the same library")
