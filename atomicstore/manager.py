@@ -12,6 +12,7 @@ a step whose metadata it cannot read.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import threading
@@ -137,6 +138,10 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
+        #: name -> (generation of its commit point, metadata read at exactly that
+        #: generation): what retention already verified (see _readable_metadata)
+        self._verified: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._verified_lock = threading.Lock()
         if recover and process_index_count()[0] == 0:
             report = self.store.recover(flax_prefix=prefix)
             if report.actions:
@@ -289,22 +294,77 @@ class CheckpointManager:
         record_event(WRITE_EVENT, dt)
         log.info("saved step %s in %.3fs", step, dt)
 
-    def _readable_metadata(self, steps: list[Step]) -> dict[Step, dict[str, Any]]:
-        """The metadata of each step retention can read. A step deleted since the listing
-        is left out silently; one whose manifest cannot be read is left out with a warning
-        (retention keeps it: see "Unreadable steps" in docs/manager.md)."""
-        metas: dict[Step, dict[str, Any]] = {}
-        for s in steps:
-            try:
-                metas[s] = self.metadata(s)
-            except NotFoundError:
-                continue
-            except CorruptionError as exc:
-                if self._gone(s):
-                    continue  # deleted between reading its marker and its manifest
-                log.warning("retention keeps checkpoint %s: its metadata cannot be read, so it is "
-                            "neither deleted nor counted towards keep (%s)", self._name(s), exc)
-        return metas
+    def _readable_metadata(self) -> tuple[dict[Step, dict[str, Any]], dict[Step, str]]:
+        """The metadata of each committed step retention can read, in natural order, from
+        one listing of the store plus a read of each step whose commit point is not at the
+        generation this manager already verified. A step deleted since the listing is
+        left out silently; one whose manifest cannot be read is left out with a warning
+        (retention keeps it: see "Unreadable steps" in docs/manager.md).
+
+        What is reused: the metadata of a step read by a *conditional* read of its commit
+        point at the generation the listing gave (S3 ``If-Match``, GCS
+        ``ifGenerationMatch``), keyed by name and that generation. A commit point at the
+        same generation is the same marker, naming the same attempt and manifest digest,
+        and an attempt's manifest is written once, before its marker, and removed only
+        after its marker is (un-publish first), so a fresh read would give the same
+        metadata. It only ranks steps: each deletion is still conditional on the attempt
+        judged (``delete(if_attempt=...)``), which reads the marker afresh, and a step
+        judged from remembered metadata is read again before it is deleted
+        (docs/commit-protocol.md, "Metadata requests"). Also returns the steps whose
+        metadata was remembered, with their generation."""
+        listed = self.store.committed()
+        steps = {s: n for n in listed if (s := self._step_of(n)) is not None and self._name(s) == n}
+        with self._verified_lock:
+            for name in [n for n in self._verified if n not in listed]:
+                del self._verified[name]  # gone: forget it (bounded by what is committed)
+            known = {n: v for n, v in self._verified.items() if v[0] == listed[n]}
+
+        def read(s: Step) -> tuple[Step, dict[str, Any] | None]:
+            name = steps[s]
+            if name in known:
+                return s, known[name][1]
+            return s, self._read_metadata(s, listed[name])
+
+        todo = sorted(steps, key=lambda s: natural_key(str(s)))
+        misses = sum(1 for s in todo if steps[s] not in known)
+        if misses > 1:  # (e.g. the first save of a manager: every step, concurrently)
+            with concurrent.futures.ThreadPoolExecutor(min(16, misses)) as pool:
+                found = list(pool.map(read, todo))
+        else:
+            found = [read(s) for s in todo]
+        reused = {s: known[steps[s]][0] for s in todo if steps[s] in known}
+        return {s: m for s, m in found if m is not None}, reused
+
+    def _read_metadata(self, step: Step, generation: str | None, *, fallback: bool = True
+                       ) -> dict[str, Any] | None:
+        """The metadata of ``step`` (None if it is gone or unreadable), remembered when
+        read at ``generation``; without ``fallback``, also None if the step is no longer
+        at ``generation``."""
+        name = self._name(step)
+        with self._verified_lock:
+            self._verified.pop(name, None)  # (remembered again below if it reads well)
+        try:
+            if generation is not None:
+                try:
+                    man = self.store.open(name, generation=generation).manifest
+                except PreconditionFailedError:
+                    if not fallback:
+                        return None
+                    # changed since the listing: read what is there now, not remembered
+                else:
+                    meta = {**man.metadata, "committed": man.committed, "attempt": man.attempt}
+                    with self._verified_lock:
+                        self._verified[name] = (generation, meta)
+                    return meta
+            return self.metadata(step)
+        except NotFoundError:
+            return None
+        except CorruptionError as exc:
+            if self._gone(step):
+                return None  # deleted between reading its marker and its manifest
+            log.warning("retention keeps checkpoint %s: its metadata cannot be read, so it is "
+                        "neither deleted nor counted towards keep (%s)", name, exc)
+            return None
 
     def _gone(self, step: Step) -> bool:
         try:
@@ -315,7 +375,7 @@ class CheckpointManager:
     def _retain(self, new_step: Step, new_meta: dict[str, Any]) -> None:
         """Apply retention after ``new_step`` (saved with ``new_meta``) committed. Steps
         whose metadata cannot be read are never deleted nor counted towards ``keep``."""
-        metas = self._readable_metadata(self.all_steps())
+        metas, reused = self._readable_metadata()
         steps = list(metas)
         drop: set[Step] = set()
         # ephemeral checkpoints go once a newer non-ephemeral one exists
@@ -344,6 +404,10 @@ class CheckpointManager:
                 continue
             drop.add(s)
         for s in sorted(drop, key=lambda s: natural_key(str(s))):
+            if s in reused:  # judged from remembered metadata: never delete what cannot be read now
+                fresh = self._read_metadata(s, reused[s], fallback=False)
+                if fresh is None or fresh["attempt"] != metas[s]["attempt"]:
+                    continue
             try:  # only the checkpoint retention judged: never a newer one of that name
                 self.store.delete(self._name(s), if_attempt=metas[s]["attempt"])
             except (NotFoundError, PreconditionFailedError):

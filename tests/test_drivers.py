@@ -24,7 +24,7 @@ def test_strategy_follows_declared_capabilities(backend):
     assert caps.atomic_rename == (expected == "rename")
     assert caps.atomic_create
     assert caps.durable_fsync == (backend.kind == "local")
-    assert caps.multipart_uploads == (backend.kind == "s3")
+    assert caps.multipart_uploads == (backend.kind in ("s3", "gcs"))  # GCS: composite components
     assert caps.native_crc32c == (backend.kind == "gcs")
 
 

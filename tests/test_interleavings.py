@@ -551,8 +551,8 @@ def mp_job(actor: str) -> sched.Program:
             ev.attempt = f.attempt
             write = f.write
 
-            def recording_write(data: Any, *, crc32c: int | None = None) -> int:
-                n = write(data, crc32c=crc32c)
+            def recording_write(data: Any, *, crc32c: int | None = None, **kw: Any) -> int:
+                n = write(data, crc32c=crc32c, **kw)  # (borrow=...: a leaf's own buffer)
                 ev.files[""] = ev.files.get("", b"") + bytes(data)
                 return n
 

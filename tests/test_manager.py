@@ -291,21 +291,28 @@ def test_unreadable_step_is_kept_uncounted_and_warned_about(backend, caplog):
 
 
 def test_step_deleted_during_retention_is_skipped(backend):
-    """Row 8: a checkpoint another process deletes between the listing and the read."""
+    """Row 8: a checkpoint another process deletes between the listing and the read. (A
+    manager reads the metadata of a step once, while its commit marker is unchanged: the
+    saves are made by one manager, retention after step 4 by a new one, which reads every
+    step.)"""
     other = backend.open()
+    store = backend.open()
     armed = []
+    listing = store.committed
 
-    class Racing(CheckpointManager):
-        def metadata(self, step):
-            if armed and step == 2:
-                armed.clear()
-                other.delete("checkpoint_2")  # another process, just after our listing
-            return super().metadata(step)
+    def committed() -> dict:
+        found = listing()
+        if armed:
+            armed.clear()
+            other.delete("checkpoint_2")  # another process, just after our listing
+        return found
 
-    mgr = Racing(backend.url, storage_options=backend.options, keep=3)
+    store.committed = committed  # type: ignore[method-assign]
+    mgr = CheckpointManager(backend.url, store=store, keep=3)
     for s in (1, 2, 3):
         mgr.save(s, tree(s))
     armed.append(True)
+    mgr = CheckpointManager(backend.url, store=store, keep=3, recover=False)
     mgr.save(4, tree(4))  # retention lists 1..4; 2 vanishes before it is read
     assert not armed and mgr.all_steps() == [1, 3, 4]
     assert mgr.restore()["step"] == 4

@@ -11,6 +11,7 @@ run that replaced it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import threading
@@ -74,6 +75,7 @@ class Lease:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # a renewal and a check never interleave
         self._thread: threading.Thread | None = None
+        self._stored: concurrent.futures.Future[str | None] | None = None
 
     def _doc(self, now: float) -> bytes:
         return json.dumps(
@@ -81,16 +83,38 @@ class Lease:
              "renewed": now}
         ).encode()
 
-    def acquire(self) -> None:
+    def acquire(self, *, wait: bool = True) -> None:
+        """Write the lease and start renewing it. With ``wait=False`` the write may still
+        be in flight when this returns (:meth:`Driver.background`): then nothing of the
+        attempt may be stored before :meth:`wait` returned."""
         start = self.clock()
-        self.generation = self.driver.put_volatile(self.key, self._doc(start))  # no fsync needed
+        doc = self._doc(start)
         self.expires = start + self.ttl
+        self._stored = self.driver.background(lambda: self.driver.put_volatile(self.key, doc))  # no fsync needed
+        if wait or self._stored.done():
+            self.wait()
         self._thread = threading.Thread(target=self._heartbeat, name=f"lease-{self.name}", daemon=True)
         self._thread.start()
+
+    def wait(self) -> None:
+        """Return once the lease is stored; raise why it could not be."""
+        stored = self._stored
+        if stored is None:
+            return
+        gen = stored.result()
+        with self._lock:
+            if self._stored is stored:  # the first to see it records its generation
+                self.generation, self._stored = gen, None
 
     def renew(self) -> None:
         """Extend the lease by ``ttl`` from now, unless it is lost or already expired
         (then :attr:`error` says why and it is never renewed again)."""
+        try:
+            self.wait()
+        except Exception as exc:  # noqa: BLE001 - remembered, raised at commit
+            with self._lock:
+                self.error = self.error or exc
+            return
         with self._lock:
             if self.error is not None:
                 return
@@ -129,6 +153,7 @@ class Lease:
         """Raise :class:`LeaseLostError` unless the lease is still ours and unexpired:
         not expired by this writer's clock, and still stored at the generation it wrote
         (read afresh)."""
+        self.wait()
         with self._lock:
             why = None
             if self.error is not None:
@@ -159,6 +184,10 @@ class Lease:
     def release(self) -> None:
         """Stop renewing and remove the lease object (its key is this attempt's alone)."""
         self.stop()
+        try:
+            self.wait()  # (a write still in flight would land after the delete)
+        except Exception:  # noqa: BLE001 - it may have landed all the same: delete it
+            pass
         try:
             self.driver.delete(self.key)
         except Exception as exc:  # noqa: BLE001 - recovery removes stale leases

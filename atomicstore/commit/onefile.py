@@ -9,7 +9,7 @@ appearing under its name is the commit point:
   lives in the reserved directory so that flax's own listing never sees it; recovery
   removes it like any staged attempt once its lease is dead.
 * object stores: under a lease, stream straight to ``<name>`` as one upload (multipart
-  or resumable); the object becomes visible in one step when the upload completes, and
+  or parallel composite); the object becomes visible in one step when the upload completes, and
   completes only if ``<name>`` is still what the save read when it began: absent
   (``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS), or, for an overwrite, the
   same generation (``If-Match: <etag>``, ``ifGenerationMatch=<generation>``). So of two
@@ -96,10 +96,19 @@ class OneFileCommit:
             name=self.name,
         )
 
-    def write(self, data: bytes | bytearray | memoryview, *, crc32c: int | None = None) -> int:
+    #: ``write`` takes ``borrow=True``: upload straight from ``data``, which the caller
+    #: leaves unchanged until the commit or abort
+    accepts_borrowed = True
+
+    def write(
+        self, data: bytes | bytearray | memoryview, *, crc32c: int | None = None, borrow: bool = False
+    ) -> int:
         if self._done:
             raise TransactionError(f"{self.name!r} is already committed or aborted")
-        self._w.write(data)
+        if borrow:
+            self._w.write_borrowed(memoryview(data).cast("B"))
+        else:
+            self._w.write(data)
         n = memoryview(data).nbytes
         self.bytes_written += n
         return n

@@ -217,12 +217,15 @@ class _Recovery:
 
     def read_markers(self, names: set[str]) -> dict[str, str | None]:
         """The attempt each marker names (None: unreadable right now, so nothing of that
-        name is touched); names whose marker vanished since the listing are left out."""
+        name is touched); names whose marker vanished since the listing are left out.
+        One GET per marker (no generation: this only nominates; every removal re-reads
+        the marker)."""
         strategy = self.store.strategy
+        assert isinstance(strategy, MarkerStrategy)
 
         def one(name: str) -> tuple[str, str | None, bool]:
             try:
-                cur = strategy.current(name)
+                cur = strategy.named_attempt(name)
             except Exception:  # noqa: BLE001 - conservative: touch nothing of it
                 return name, None, True
             return name, cur, cur is not None

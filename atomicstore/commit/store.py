@@ -302,8 +302,16 @@ class Store:
 
     # -- reading ------------------------------------------------------------------------
     def list(self) -> list[str]:
-        """Names of committed checkpoints, in natural order."""
+        """Names of committed checkpoints, in natural order (one listing: on object
+        stores about one request per 500 checkpoints, whatever their number of files)."""
         return natural_sort(self.strategy.list())
+
+    def committed(self) -> dict[str, str | None]:
+        """Committed names in natural order, each with the generation of its commit point
+        as the same listing saw it (the marker's ETag or GCS generation; None on rename
+        backends). ``open(name, generation=...)`` reads exactly that checkpoint."""
+        found = self.strategy.committed()
+        return {n: found[n] for n in natural_sort(list(found))}
 
     def exists(self, name: str) -> bool:
         """True if ``name`` is committed."""
@@ -314,10 +322,16 @@ class Store:
             return False
         return True
 
-    def open(self, name: str) -> Checkpoint:
-        """Open committed checkpoint ``name`` for reading (reads and checks its manifest)."""
+    def open(self, name: str, *, generation: str | None = None) -> Checkpoint:
+        """Open committed checkpoint ``name`` for reading (reads and checks its manifest).
+        With ``generation`` (from :meth:`committed`), only if its commit point is still at
+        that generation, read in the same request
+        (:class:`~atomicstore.PreconditionFailedError` otherwise)."""
         validate_name(name)
-        prefix, raw = self.strategy.resolve(name)
+        if generation is None:
+            prefix, raw = self.strategy.resolve(name)
+        else:
+            prefix, raw = self.strategy.resolve_at(name, generation)
         manifest = Manifest.from_bytes(raw, where=self.driver.describe(f"{name}/manifest.json"))
         return Checkpoint(self, name, prefix, manifest)
 
@@ -398,6 +412,7 @@ def open_store(
     retry: RetryPolicy | None = None,
     operation_timeout: float | None = None,
     block_size: int | None = None,
+    max_inflight_bytes: int | None = None,
     lease_ttl: float = DEFAULT_LEASE_TTL,
     grace: float = DEFAULT_GRACE,
     clock: Callable[[], float] | None = None,
@@ -412,7 +427,13 @@ def open_store(
             ``host:pid:random``).
         retry: retry policy for transient errors (default :class:`RetryPolicy()`).
         operation_timeout: seconds one storage request may take (object stores).
-        block_size: streaming chunk / multipart part size in bytes.
+        block_size: streaming chunk / multipart part size in bytes (default 16 MiB on
+            local disk, 8 MiB on object stores).
+        max_inflight_bytes: object stores: bytes of part uploads and ranged reads in
+            flight at once, for the whole store (every file of a save together; default
+            256 MiB, i.e. 16 parts of 16 MiB or 32 reads of 8 MiB). Parts lent from the
+            caller's buffers (``atomicstore.save`` lends the arrays' own) cost no memory;
+            copied parts cost at most this much.
         lease_ttl: seconds a save's lease lives without renewal (renewed every third).
         grace: extra seconds recovery waits before it treats unleased data as stale.
         clock: where leases and recovery read the time (Unix seconds; default
@@ -426,5 +447,6 @@ def open_store(
         retry=retry,
         operation_timeout=operation_timeout,
         block_size=block_size,
+        max_inflight_bytes=max_inflight_bytes,
     )
     return Store(driver, writer_id=writer_id, lease_ttl=lease_ttl, grace=grace, clock=clock)

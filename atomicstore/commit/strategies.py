@@ -102,6 +102,18 @@ class CommitStrategy(ABC):
     def list(self) -> list[str]:
         """Names of committed checkpoints (unsorted)."""
 
+    def committed(self) -> dict[str, str | None]:
+        """Committed names, each with the storage generation of its commit point as the
+        same listing saw it (None where a listing does not give one cheaply). A
+        generation names one commit point forever: see :meth:`resolve_at`."""
+        return dict.fromkeys(self.list())
+
+    def resolve_at(self, name: str, generation: str) -> tuple[str, bytes]:
+        """Like :meth:`resolve`, but only if the commit point of ``name`` is still at
+        ``generation`` (:class:`PreconditionFailedError` otherwise, :class:`NotFoundError`
+        if it is gone), read in the same request as the commit point itself."""
+        raise PreconditionFailedError(f"{self.driver.describe(name)}: no generations on this backend")
+
     @abstractmethod
     def unpublish(self, name: str, *, if_generation: str | None = None) -> None:
         """Delete ``name``: remove the commit point first, then the data. Only the
@@ -478,11 +490,37 @@ class MarkerStrategy(CommitStrategy):
         key = f"{name}/{MARKER_FILE}"
         return Marker.from_bytes(self.driver.read(key), where=self.driver.describe(key))
 
+    def named_attempt(self, name: str) -> str | None:
+        """The attempt the marker of ``name`` names (``unreadable:<digest>`` if it cannot
+        be parsed), None if there is none: one GET, no generation, so for nominating only,
+        never for a conditional write (see :meth:`marker_state`)."""
+        key = f"{name}/{MARKER_FILE}"
+        try:
+            raw = self.driver.read(key)
+        except NotFoundError:
+            return None
+        try:
+            return Marker.from_bytes(raw, where=self.driver.describe(key)).attempt
+        except CorruptionError:
+            return _unreadable(raw)
+
     def resolve(self, name: str) -> tuple[str, bytes]:
         try:
             marker = self.read_marker(name)
         except NotFoundError:
             raise NotFoundError(f"no committed checkpoint {self.driver.describe(name)}") from None
+        return self._resolved(name, marker)
+
+    def resolve_at(self, name: str, generation: str) -> tuple[str, bytes]:
+        key = f"{name}/{MARKER_FILE}"
+        try:
+            raw = self.driver.read_if(key, generation)
+        except NotFoundError:
+            raise NotFoundError(f"no committed checkpoint {self.driver.describe(name)}") from None
+        return self._resolved(name, Marker.from_bytes(raw, where=self.driver.describe(key)))
+
+    def _resolved(self, name: str, marker: Marker) -> tuple[str, bytes]:
+        """(data prefix, manifest) of the checkpoint ``marker`` commits, checked."""
         if marker.name != name:
             raise CorruptionError(f"{self.driver.describe(name)}: marker names {marker.name!r}")
         prefix = self._prefix(name, marker.attempt)
@@ -502,12 +540,20 @@ class MarkerStrategy(CommitStrategy):
         return prefix, manifest
 
     def list(self) -> list[str]:
-        out = []
-        for key in self.driver.find(""):
+        return list(self.committed())
+
+    def committed(self) -> dict[str, str | None]:
+        """One listing of the root with the delimiter ``/attempt-``: each checkpoint is
+        its marker (an object, listed with its generation) plus one rolled-up prefix for
+        the files of all its attempts, so the listing costs one request per ~500
+        checkpoints however many files they hold (``docs/commit-protocol.md``)."""
+        objects, _ = self.driver.scan("", f"/{ATTEMPT_PREFIX}")
+        out: dict[str, str | None] = {}
+        for key, info in objects.items():
             name, _, rest = key.partition("/")
             if rest == MARKER_FILE:
                 try:
-                    out.append(validate_name(name))
+                    out[validate_name(name)] = info.generation
                 except ValueError:
                     continue
         return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import logging
 import threading
@@ -32,8 +33,12 @@ class TransactionFile:
     """A file being written inside a transaction: write bytes, then close.
 
     Computes the file's CRC32C while streaming; the bytes go straight to the driver's
-    writer (bounded memory: at most one block buffered on object stores).
+    writer (object stores: parts uploaded in parallel within the store's in-flight
+    budget, several files' at once).
     """
+
+    #: ``write`` takes ``borrow=True`` (see :meth:`write`)
+    accepts_borrowed = True
 
     def __init__(self, txn: Transaction, path: str, writer: Writer) -> None:
         self._txn = txn
@@ -41,9 +46,16 @@ class TransactionFile:
         self._writer = writer
         self._hash = Crc32cHasher()
         self.closed = False
+        self._leased = False
 
-    def write(self, data: bytes | bytearray | memoryview, *, crc32c: int | None = None) -> int:
-        """Append ``data``. Pass its ``crc32c`` if already known (saves a pass over it)."""
+    def write(
+        self, data: bytes | bytearray | memoryview, *, crc32c: int | None = None, borrow: bool = False
+    ) -> int:
+        """Append ``data``. Pass its ``crc32c`` if already known (saves a pass over it).
+
+        With ``borrow=True`` the writer may upload straight from ``data`` instead of a
+        copy: the caller promises not to change those bytes until the transaction has
+        committed or aborted."""
         if self.closed:
             raise TransactionError(f"write to closed file {self.path!r}")
         try:
@@ -52,23 +64,40 @@ class TransactionFile:
             raise InvalidArgumentError(
                 f"write to {self.path!r}: need a C-contiguous bytes-like object ({exc})"
             ) from None
+        if not self._leased and self._hash.size + mv.nbytes >= self._txn.store.driver.block_size:
+            self._txn._lease.wait()  # a part may be uploaded now: not before the lease
+            self._leased = True
         if crc32c is None:
             self._hash.update(mv)
         else:
             self._hash.combine(crc32c, mv.nbytes)
-        self._writer.write(mv)
+        if borrow:
+            self._writer.write_borrowed(mv)
+        else:
+            self._writer.write(mv)
         return mv.nbytes
 
     @property
     def bytes_written(self) -> int:
         return self._hash.size
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
+        """Finish the file: complete at its key when this returns. With ``wait=False``
+        an object-store upload completes in the background while the caller goes on
+        (e.g. to the next file): :meth:`Transaction.commit` waits for it and raises its
+        error, leaving the transaction open (to abort; a ``with`` block aborts it)."""
         if self.closed:
             return
-        self._writer.close()
-        self.closed = True
-        self._txn._file_done(self.path, FileEntry(self._hash.size, self._hash.value))
+        self._txn._lease.wait()  # nothing of the attempt is stored before its lease
+        entry = FileEntry(self._hash.size, self._hash.value)
+        if wait:
+            self._writer.close()
+            self.closed = True
+            self._txn._file_done(self.path, entry)
+        else:
+            done = self._writer.close_async()
+            self.closed = True
+            self._txn._file_done(self.path, entry, self._writer, done)
 
     def abort(self) -> None:
         if not self.closed:
@@ -116,18 +145,36 @@ class Transaction:
         self.metadata = dict(metadata or {})
         self._files: dict[str, FileEntry] = {}
         self._open: dict[str, TransactionFile] = {}
+        #: closed files whose upload may still be completing: path -> (writer, its future)
+        self._closing: dict[str, tuple[Writer, concurrent.futures.Future[None]]] = {}
         self._lock = threading.Lock()
         self._state = _State.OPEN
         self.started = time.time()
         #: the committed manifest, once :meth:`commit` succeeded
         self.manifest: Manifest | None = None
         self._lease = Lease(store.driver, name, attempt, store.writer_id, store.lease_ttl, store.clock)
-        # the conflict check comes first (cheap), then the lease, then any data
-        store.strategy.begin(name, attempt, overwrite=overwrite)
-        #: the generation an overwrite replaces (compare-and-swap): read now, checked at commit
-        self.expected = store.strategy.current(name) if overwrite else None
-        self._lease.acquire()
-        self._prefix = store.strategy.attempt_prefix(name, attempt)
+        strategy = store.strategy
+
+        def early() -> str | None:
+            strategy.begin(name, attempt, overwrite=overwrite)
+            return strategy.current(name) if overwrite else None
+
+        # The conflict check and the lease go out together, and the caller's files start
+        # streaming while the lease is written: each file's object is only created once the
+        # lease is stored (TransactionFile.close, and ``prefix`` for files written
+        # directly), so recovery still never sees data without a lease. (On local
+        # backends ``background`` runs at once: check, then lease, as before.)
+        found = store.driver.background(early)
+        if found.done():
+            found.result()  # a conflict is raised before any lease is written
+        self._lease.acquire(wait=False)
+        try:
+            #: the generation an overwrite replaces (compare-and-swap): read now, checked at commit
+            self.expected = found.result()
+        except BaseException:
+            self._lease.release()
+            raise
+        self._prefix = strategy.attempt_prefix(name, attempt)
 
     # -- writing ------------------------------------------------------------------------
     def open(self, path: str) -> TransactionFile:
@@ -148,7 +195,9 @@ class Transaction:
 
     @property
     def prefix(self) -> str:
-        """Key prefix (below the store root) this attempt's files are staged under."""
+        """Key prefix (below the store root) this attempt's files are staged under. (Asked
+        for to write files there directly: it waits until the attempt's lease is stored.)"""
+        self._lease.wait()
         return self._prefix
 
     def adopt(self, path: str, size: int, crc32c: int) -> None:
@@ -164,10 +213,31 @@ class Transaction:
                 raise InvalidArgumentError(f"{path!r} is already written in this transaction")
             self._files[path] = FileEntry(size, crc32c)
 
-    def _file_done(self, path: str, entry: FileEntry) -> None:
+    def _file_done(self, path: str, entry: FileEntry, writer: Writer | None = None,
+                   done: concurrent.futures.Future[None] | None = None) -> None:
         with self._lock:
             self._open.pop(path, None)
             self._files[path] = entry
+            if writer is not None and done is not None and not (done.done() and done.exception() is None):
+                self._closing[path] = (writer, done)
+
+    def _wait_closing(self) -> None:
+        """Wait until every closed file is complete at its key; raise the first failure
+        (the transaction stays open, to be aborted)."""
+        with self._lock:
+            self._check_open()
+            closing = list(self._closing.values())
+        error: BaseException | None = None
+        for _, done in closing:
+            try:
+                done.result()
+            except BaseException as exc:  # noqa: BLE001 - the first one is raised below
+                error = error or exc
+        if error is not None:
+            raise error
+        with self._lock:
+            for path in [p for p, (_, d) in self._closing.items() if d.done()]:
+                del self._closing[path]
 
     @property
     def files(self) -> dict[str, FileEntry]:
@@ -185,6 +255,7 @@ class Transaction:
 
         ``check()`` (e.g. a multi-host save's own deadline) runs with the lease check,
         after everything is written, right before the commit point; its error aborts."""
+        self._wait_closing()  # every file complete (or the error of the first that failed)
         with self._lock:
             self._check_open()
             if self._open:
@@ -242,8 +313,12 @@ class Transaction:
             self._state = _State.ABORTED
             pending = list(self._open.values())
             self._open.clear()
+            closing = list(self._closing.values())
+            self._closing.clear()
         for f in pending:
             f.abort()
+        for w, _ in closing:
+            w.abort()  # returns once nothing of that upload is in flight any more
         self.store.strategy.discard(self.name, self.attempt)
         self._lease.release()
 
@@ -259,6 +334,11 @@ class Transaction:
     ) -> None:
         if et is None:
             if self._state is _State.OPEN:
-                self.commit()
+                try:
+                    self.commit()
+                except BaseException:
+                    if self._state is _State.OPEN:  # a file failed, or one was left open
+                        self.abort()
+                    raise
         else:
             self.abort()

@@ -19,7 +19,6 @@ from typing import Any
 from ..errors import InvalidArgumentError, UnknownProtocolError
 from ..retry import RetryPolicy
 from .base import (
-    DEFAULT_BLOCK_SIZE,
     DEFAULT_OPERATION_TIMEOUT,
     Capabilities,
     Driver,
@@ -151,6 +150,7 @@ def get_driver(
     retry: RetryPolicy | None = None,
     operation_timeout: float | None = None,
     block_size: int | None = None,
+    max_inflight_bytes: int | None = None,
 ) -> Driver:
     """Build the driver for ``url_or_path``; ``storage_options`` go to fsspec unchanged."""
     protocol, path = split_url(url_or_path)
@@ -162,8 +162,9 @@ def get_driver(
         opts,
         retry=retry,
         operation_timeout=DEFAULT_OPERATION_TIMEOUT if operation_timeout is None else operation_timeout,
-        block_size=block_size or DEFAULT_BLOCK_SIZE,
+        block_size=block_size or cls.default_block_size,
         secrets=secrets_of(opts),
+        max_inflight_bytes=max_inflight_bytes,
     )
 
 

@@ -11,15 +11,20 @@ never sees ``..`` or an absolute key.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import collections
 import concurrent.futures
 import contextlib
+import io
+import itertools
 import logging
 import re
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 from ..errors import (
@@ -39,6 +44,14 @@ T = TypeVar("T")
 DEFAULT_BLOCK_SIZE = 16 * 2**20
 #: Default per-request timeout on object stores (seconds).
 DEFAULT_OPERATION_TIMEOUT = 120.0
+#: Default budget of bytes in flight at once on one object store: every part upload and
+#: ranged read of every file of the store counts against it (a whole save, not a file)
+DEFAULT_MAX_INFLIGHT_BYTES = 256 * 2**20
+#: Object-store reads are split into ranged requests of this size, run in parallel
+READ_CHUNK = 8 * 2**20
+#: Default part size of object-store uploads (as boto3's and the AWS CRT's): with the
+#: default budget, 32 parts in flight
+OBJECT_BLOCK_SIZE = 8 * 2**20
 
 
 @dataclass(frozen=True)
@@ -105,8 +118,28 @@ class Writer(ABC):
     @abstractmethod
     def write(self, data: bytes | bytearray | memoryview) -> None: ...
 
+    def write_borrowed(self, data: memoryview) -> None:
+        """Append ``data`` without copying it where the writer can: it may keep a
+        reference to ``data`` until the upload is over (``close`` returned, the future of
+        ``close_async`` is done, or ``abort`` returned), so the caller must not change
+        those bytes until then. Default: :meth:`write` (which copies or writes now)."""
+        self.write(data)
+
     @abstractmethod
     def close(self) -> None: ...
+
+    def close_async(self) -> concurrent.futures.Future[None]:
+        """Like :meth:`close`, but the object may be completed in the background: the
+        future is done once it is complete at its key, or failed (then the caller still
+        calls :meth:`abort`). Default: :meth:`close` now."""
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
+            fut.set_exception(exc)
+        else:
+            fut.set_result(None)
+        return fut
 
     @abstractmethod
     def abort(self) -> None: ...
@@ -125,6 +158,11 @@ class Driver(ABC):
     #: rename backends: :meth:`exchange` can swap whole directories atomically (a fact
     #: some filesystems lack, found when the driver opens; overwrites are refused then)
     replaces_directories: bool = True
+    #: how many reads a reader of this backend should run at once (object stores: as many
+    #: ranged requests as the in-flight budget holds)
+    io_threads: int = 8
+    #: ``block_size`` when the caller gives none
+    default_block_size: ClassVar[int] = DEFAULT_BLOCK_SIZE
 
     def __init__(
         self,
@@ -136,11 +174,19 @@ class Driver(ABC):
         operation_timeout: float | None = DEFAULT_OPERATION_TIMEOUT,
         block_size: int = DEFAULT_BLOCK_SIZE,
         secrets: tuple[str, ...] = (),
+        max_inflight_bytes: int | None = None,
     ) -> None:
         if operation_timeout is not None and operation_timeout <= 0:
             raise InvalidArgumentError("operation_timeout must be > 0 or None")
         if block_size < 2**18:
             raise InvalidArgumentError("block_size must be at least 256 KiB")
+        if max_inflight_bytes is not None and (
+            not isinstance(max_inflight_bytes, int) or isinstance(max_inflight_bytes, bool)
+            or max_inflight_bytes < 2**20
+        ):
+            raise InvalidArgumentError("max_inflight_bytes must be an int of at least 1 MiB")
+        #: bytes of requests in flight at once on this store (object stores)
+        self.max_inflight_bytes = max_inflight_bytes or DEFAULT_MAX_INFLIGHT_BYTES
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
@@ -283,6 +329,55 @@ class Driver(ABC):
     def find(self, prefix: str = "") -> dict[str, FileInfo]:
         """Every object below ``prefix``, keyed by key relative to the root."""
 
+    def scan(self, prefix: str = "", delimiter: str = "/") -> tuple[dict[str, FileInfo], set[str]]:
+        """One delimited listing below ``prefix``: the objects whose key, after
+        ``prefix/``, does not contain ``delimiter`` (with size, mtime and generation), and
+        the distinct key prefixes, ending with the first ``delimiter``, of all the others
+        (rolled up, as S3's ``CommonPrefixes`` and GCS's ``prefixes``). Object stores
+        answer it with one request per 1,000 entries (objects plus prefixes), however many
+        objects are rolled up; by default it is computed from :meth:`find`. Like every
+        listing it is read afresh (no cache)."""
+        if not delimiter:
+            raise InvalidArgumentError("scan needs a delimiter")
+        base = f"{prefix}/" if prefix else ""
+        objects: dict[str, FileInfo] = {}
+        prefixes: set[str] = set()
+        for key, info in self.find(prefix).items():
+            rest = key[len(base):] if key.startswith(base) else key
+            cut = rest.find(delimiter)
+            if cut < 0:
+                objects[key] = info
+            else:
+                prefixes.add(base + rest[: cut + len(delimiter)])
+        return objects, prefixes
+
+    def read_if(self, key: str, generation: str) -> bytes:
+        """The whole of ``key`` if it is at ``generation`` (a conditional GET on object
+        stores): :class:`PreconditionFailedError` if it is at another one,
+        :class:`NotFoundError` if it is absent. The default reads the generation before
+        and after the bytes (a generation never comes back with other bytes)."""
+        def check() -> None:
+            if self.info(key).generation != generation:
+                raise PreconditionFailedError(f"read: {self.describe(key)} changed since it was listed")
+
+        check()
+        data = self.read(key)
+        check()
+        return data
+
+    def background(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` (a few requests of this driver) while the caller goes on, where a
+        request has a round trip worth hiding; its result or error is the future's.
+        The default runs it at once, in the caller's thread, and returns it done, so local
+        backends (and test schedulers wrapping any driver) see the same operations in
+        the same order as a plain call."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        try:
+            fut.set_result(fn())
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
+            fut.set_exception(exc)
+        return fut
+
     @abstractmethod
     def delete(self, key: str, *, if_generation: str | None = None) -> None:
         """Delete one object; a missing one is not an error. With ``if_generation``, raise
@@ -331,6 +426,19 @@ class Driver(ABC):
         return f"<{type(self).__name__} {self.url}>"
 
 
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_GUARD = threading.Lock()
+
+
+def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for :meth:`AsyncFsspecDriver.background` (each waits on one request)."""
+    global _POOL
+    with _POOL_GUARD:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="atomicstore-bg")
+        return _POOL
+
+
 _PROCESS_LOCKS: dict[str, threading.Lock] = {}
 _PROCESS_LOCKS_GUARD = threading.Lock()
 
@@ -356,6 +464,99 @@ def _swallow(task: asyncio.Future[Any]) -> None:
     """Retrieve the outcome of an abandoned request so asyncio does not log it."""
     if not task.cancelled():
         task.exception()
+
+
+class InflightBudget:
+    """Bytes of requests in flight at once on one store, shared by all its writers and
+    readers: the parts of every file of a save (and the ranged reads of a restore) draw
+    from one budget, so a whole save keeps the link busy without exceeding it.
+
+    :meth:`acquire` blocks until ``n`` more bytes fit (a request larger than the whole
+    budget waits until it is alone); :meth:`release` gives them back. ``peak`` is the most
+    that was ever in flight."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, give_up: Callable[[], BaseException | None] | None = None) -> int:
+        """Take ``n`` bytes (at most the whole budget); return what was taken, to be
+        released. ``give_up()`` is asked while waiting: an error it returns is raised."""
+        n = min(max(n, 0), self.limit)
+        with self._cond:
+            while self.used and self.used + n > self.limit:
+                err = give_up() if give_up is not None else None
+                if err is not None:
+                    raise err
+                self._cond.wait(1.0)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+        return n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake every waiter (one of them may have to give up)."""
+        with self._cond:
+            self._cond.notify_all()
+
+
+class PartBody(io.RawIOBase):
+    """A request body made of buffers, read in pieces by the HTTP client without copying
+    the buffers as a whole; seekable, so checksums, signatures and retries can re-read it."""
+
+    def __init__(self, segments: Sequence[memoryview]) -> None:
+        super().__init__()
+        self._segs = list(segments)
+        self._ends = list(itertools.accumulate(s.nbytes for s in self._segs))
+        self.size = self._ends[-1] if self._ends else 0
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def __len__(self) -> int:
+        return self.size
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        n = 0
+        i = bisect.bisect_right(self._ends, self._pos)
+        while n < out.nbytes and i < len(self._segs):
+            seg = self._segs[i]
+            a = self._pos - (self._ends[i] - seg.nbytes)
+            k = min(seg.nbytes - a, out.nbytes - n)
+            out[n : n + k] = seg[a : a + k]
+            n += k
+            self._pos += k
+            i += 1
+        return n
+
+
+def _release(budget: InflightBudget, held: int, _fut: concurrent.futures.Future[Any]) -> None:
+    budget.release(held)
+
+
+def _done(value: T) -> concurrent.futures.Future[T]:
+    fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 def _mtime(raw: Mapping[str, Any]) -> float | None:
@@ -430,6 +631,9 @@ class AsyncFsspecDriver(Driver):
 
     #: exception types (besides HTTP 429/5xx) that are transient for this backend
     transient_types: ClassVar[tuple[type[BaseException], ...]] = (ConnectionError,)
+    default_block_size = OBJECT_BLOCK_SIZE
+    #: size of the ranged requests a large read is split into
+    read_chunk: ClassVar[int] = READ_CHUNK
 
     def is_transient(self, exc: BaseException) -> bool:
         if isinstance(exc, TimeoutError | FileNotFoundError | FileExistsError | PermissionError):
@@ -443,8 +647,32 @@ class AsyncFsspecDriver(Driver):
                 return True
         return bool(_TRANSIENT_TEXT.search(str(exc)))
 
+    def __init__(self, fs: Any, root: str, **kwargs: Any) -> None:
+        super().__init__(fs, root, **kwargs)
+        #: the store's in-flight budget: every part upload and ranged read draws from it
+        self.inflight = InflightBudget(self.max_inflight_bytes)
+        self.io_threads = max(8, self.max_inflight_bytes // self.read_chunk)
+        self._completer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._completer_lock = threading.Lock()
+
     def _loop(self) -> asyncio.AbstractEventLoop:
         return self.fs.loop
+
+    def complete_later(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the driver's completion threads: the completions of uploads
+        closed with ``close_async``, each waiting for its parts, then completing the
+        object (long waits, kept off the short-request pool of :meth:`background`)."""
+        with self._completer_lock:
+            if self._completer is None:
+                self._completer = concurrent.futures.ThreadPoolExecutor(
+                    32, thread_name_prefix="atomicstore-complete")
+            return self._completer.submit(fn)
+
+    def close(self) -> None:
+        with self._completer_lock:
+            if self._completer is not None:
+                self._completer.shutdown(wait=False)
+                self._completer = None
 
     def connect(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> None:
         """Create the backend client now (loading service models, credentials), so that
@@ -463,7 +691,12 @@ class AsyncFsspecDriver(Driver):
             # Not asyncio.wait_for: it waits for the cancelled request to wind down, which
             # an HTTP client may delay until the server answers. Give up on time instead.
             task = asyncio.ensure_future(make())
-            done, _ = await asyncio.wait({task}, timeout=self.operation_timeout)
+            try:
+                done, _ = await asyncio.wait({task}, timeout=self.operation_timeout)
+            except asyncio.CancelledError:  # the caller gave up (an aborted upload)
+                task.cancel()
+                task.add_done_callback(_swallow)
+                raise
             if not done:
                 task.cancel()
                 task.add_done_callback(_swallow)
@@ -495,8 +728,99 @@ class AsyncFsspecDriver(Driver):
         return self.submit(op, key, make, conditional).result()
 
     # Generic primitives through fsspec's async API --------------------------------------
+    def _read_range(self, key: str, start: int | None, end: int | None) -> Awaitable[bytes]:
+        """A coroutine reading bytes ``[start, end)`` of ``key``."""
+        return self.fs._cat_file(self.path(key), start=start, end=end)  # type: ignore[no-any-return]
+
+    async def _get_into(self, key: str, start: int, out: memoryview) -> int:
+        """Read ``out.nbytes`` bytes of ``key`` from ``start`` into ``out``; how many
+        there were (fewer only at the end of the object). Backends stream the answer into
+        ``out`` without an intermediate copy of the range."""
+        data = await self._read_range(key, start, start + out.nbytes)
+        out[: len(data)] = data
+        return len(data)
+
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        return self.call("read", key, lambda: self.fs._cat_file(self.path(key), start=start, end=end))
+        return self.call("read", key, lambda: self._read_range(key, start, end))
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> int:
+        """Ranged reads of :attr:`read_chunk` bytes straight into ``out``, as many at
+        once as the store's in-flight budget allows."""
+        mv = memoryview(out).cast("B")
+        step = self.read_chunk
+        spans = [(a, min(step, mv.nbytes - a)) for a in range(0, mv.nbytes, step)]
+        futures: list[concurrent.futures.Future[int]] = []
+
+        def failed() -> BaseException | None:
+            return next((f.exception() for f in futures if f.done() and not f.cancelled()
+                         and f.exception() is not None), None)
+
+        try:
+            for a, k in spans:
+                held = self.inflight.acquire(k, failed)
+                try:
+                    fut = self.submit("read", key, partial(
+                        self._get_into_or_end, key, offset + a, mv[a : a + k]))
+                except BaseException:
+                    self.inflight.release(held)
+                    raise
+                fut.add_done_callback(partial(_release, self.inflight, held))
+                futures.append(fut)
+            counts = [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+        total = 0
+        for (_, k), got in zip(spans, counts, strict=True):
+            total += got
+            if got < k:
+                break  # the object ends here
+        return total
+
+    async def _get_into_or_end(self, key: str, start: int, out: memoryview) -> int:
+        try:
+            return await self._get_into(key, start, out)
+        except Exception as exc:
+            if http_status_of(exc) == 416:  # the range starts past the end of the object
+                return 0
+            raise
+
+    def iter_read(self, key: str, chunk_size: int | None = None) -> Iterator[bytes]:
+        """Stream ``key`` in order, reading a few chunks ahead in parallel (within the
+        in-flight budget)."""
+        chunk = chunk_size or self.read_chunk
+        size = self.info(key).size
+        window = max(1, min(8, self.max_inflight_bytes // chunk))
+        ahead: collections.deque[tuple[int, concurrent.futures.Future[bytes]]] = collections.deque()
+        pos = 0
+
+        def more() -> None:
+            nonlocal pos
+            while pos < size and len(ahead) < window:
+                k = min(chunk, size - pos)
+                held = self.inflight.acquire(k)  # released when the request ends
+                try:
+                    fut = self.submit("read", key, partial(self._read_range, key, pos, pos + k))
+                except BaseException:
+                    self.inflight.release(held)
+                    raise
+                fut.add_done_callback(partial(_release, self.inflight, held))
+                ahead.append((k, fut))
+                pos += k
+
+        try:
+            more()
+            while ahead:
+                k, fut = ahead.popleft()
+                data = fut.result()
+                if len(data) != k:
+                    raise StorageError(f"read {self.describe(key)}: unexpected end of the object")
+                more()
+                yield data
+        finally:
+            for _, f in ahead:
+                f.cancel()
 
     def info(self, key: str) -> FileInfo:
         raw = self.call("info", key, lambda: self.fs._info(self.path(key)))
@@ -552,6 +876,60 @@ class AsyncFsspecDriver(Driver):
             if v.get("type") != "directory"
         }
 
+    #: entries per page of a delimited listing (the most S3 and GCS return)
+    page_size = 1000
+
+    async def _list_page(
+        self, prefix_path: str, delimiter: str, token: str | None
+    ) -> tuple[list[tuple[str, Mapping[str, Any]]], list[str], str | None]:
+        """One page of a delimited listing of backend path ``prefix_path`` (bucket/key
+        prefix, ending with ``/`` unless it is the bucket): ``(objects as (path, raw
+        info), rolled-up prefix paths, next page token or None)``. Drivers of backends
+        with delimited listings implement it; without it :meth:`scan` uses :meth:`find`."""
+        raise NotImplementedError
+
+    #: delimiters this backend was found not to honour (then :meth:`scan` uses find)
+    _bad_delimiters: frozenset[str] = frozenset()
+
+    def scan(self, prefix: str = "", delimiter: str = "/") -> tuple[dict[str, FileInfo], set[str]]:
+        if type(self)._list_page is AsyncFsspecDriver._list_page or delimiter in self._bad_delimiters:
+            return super().scan(prefix, delimiter)
+        if not delimiter:
+            raise InvalidArgumentError("scan needs a delimiter")
+        where = self.path(prefix).rstrip("/") + "/"
+        objects: dict[str, FileInfo] = {}
+        prefixes: set[str] = set()
+        token: str | None = None
+        while True:  # pages depend on each other (the token): one request after another
+            try:
+                page, rolled, token = self.call(
+                    "list", prefix, partial(self._list_page, where, delimiter, token)
+                )
+            except StorageError as exc:
+                if http_status_of(exc) not in (400, 501):
+                    raise
+                # refused (e.g. S3 directory buckets take only "/")
+                return self._unsupported(prefix, delimiter, f"{exc}")
+            if any(not p.endswith(delimiter) for p in rolled):
+                # a store that cut at the delimiter's first character only, say: its
+                # answer would hide objects, so it is not used
+                return self._unsupported(prefix, delimiter, f"rolled up at {rolled[0]!r}")
+            for path, raw in page:
+                rel = self._rel(path)
+                objects[rel] = self._file_info(rel, raw)
+            prefixes.update(self._rel(p) + ("/" if p.endswith("/") else "") for p in rolled)
+            if not token:
+                return objects, prefixes
+
+    def _unsupported(self, prefix: str, delimiter: str, why: str) -> tuple[dict[str, FileInfo], set[str]]:
+        log.warning("%s does not list with the delimiter %r (%s): listing every object instead",
+                    self.describe(), delimiter, self.redact(why))
+        self._bad_delimiters = self._bad_delimiters | {delimiter}
+        return super().scan(prefix, delimiter)
+
+    def background(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        return _background_pool().submit(fn)
+
     def split(self, key: str) -> tuple[str, str]:
         """(bucket, object name) of ``key``."""
         bucket, _, obj = self.path(key).partition("/")
@@ -590,14 +968,25 @@ class AsyncFsspecDriver(Driver):
 
 
 class BufferedPartWriter(Writer):
-    """A streamed object upload: small objects go in one request, large ones in parts.
+    """A streamed object upload: small objects go in one request, large ones in parts
+    uploaded in parallel.
 
-    Holds at most ``block_size`` bytes plus the parts in flight (``max_in_flight``), so
-    memory stays bounded whatever the object's size. Subclasses implement the backend's
-    multipart calls.
+    A part is ``block_size`` bytes (the last one shorter) made of the caller's own buffers
+    where the caller lends them (:meth:`write_borrowed`: no copy) and of copies of what it
+    writes with :meth:`write`. Each part is handed to the backend as soon as it is full;
+    it waits only for room in the store's in-flight budget (:class:`InflightBudget`),
+    which every upload and ranged read of the store shares: parts of several files fly at
+    once, and the copied bytes held by parts stay within the budget. Memory: one part
+    being assembled plus the copied parts in flight.
+
+    :meth:`close_async` hands the last part over and completes the object on the driver's
+    worker threads; :meth:`close` waits for that. The first part that fails (after the
+    retry policy) fails the next ``write``/``close``, and a failed completion aborts the
+    upload. Subclasses implement the backend's calls.
     """
 
-    max_in_flight = 4
+    #: borrowed writes shorter than this are copied (not worth a piece of their own)
+    min_borrow = 2**16
 
     def __init__(
         self,
@@ -610,58 +999,181 @@ class BufferedPartWriter(Writer):
         self.key = key
         self.exclusive = exclusive
         self.if_generation = if_generation
-        self.buf = bytearray()
+        self._pieces: list[memoryview] = []  # sealed pieces of the part being assembled
+        self._piece_bytes = 0
+        self.buf = bytearray()  # copied bytes not sealed into a piece yet
         self.offset = 0  # bytes handed to the backend so far
+        self.parts = 0  # parts handed to the backend so far
         self.started = False
-        self.inflight: list[concurrent.futures.Future[Any]] = []
         self.closed = False
+        self.aborted = False
+        self.error: BaseException | None = None  # the first part that failed
+        self._lock = threading.Lock()
+        self._futures: list[concurrent.futures.Future[Any]] = []  # every part, in order
+        self._closing: concurrent.futures.Future[None] | None = None
+        self._live = 0  # part requests running on the event loop now
+        self._live_cond = threading.Condition()
+
+    # -- streaming ----------------------------------------------------------------------
+    def _part_size(self) -> int:
+        """The size of the part being assembled (backends may grow it)."""
+        return self.driver.block_size
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        mv = memoryview(data).cast("B")
-        bs = self.driver.block_size
-        while len(mv):
-            take = min(bs - len(self.buf), len(mv))
-            self.buf += mv[:take]
+        self._append(memoryview(data).cast("B"), borrow=False)
+
+    def write_borrowed(self, data: memoryview) -> None:
+        self._append(memoryview(data).cast("B"), borrow=True)
+
+    def _append(self, mv: memoryview, *, borrow: bool) -> None:
+        self._check()
+        if self.closed:
+            raise StorageError(f"write to {self.driver.describe(self.key)} after close")
+        borrow = borrow and mv.nbytes >= self.min_borrow
+        while mv.nbytes:
+            take = min(self._part_size() - self._piece_bytes - len(self.buf), mv.nbytes)
+            if borrow:
+                self._seal()
+                self._pieces.append(mv[:take])
+                self._piece_bytes += take
+            else:
+                self.buf += mv[:take]
             mv = mv[take:]
-            if len(self.buf) >= bs:
+            if self._piece_bytes + len(self.buf) >= self._part_size():
                 self._flush_part(final=False)
 
+    def _seal(self) -> None:
+        """Make the copied bytes a piece (a fresh buffer takes the next ones)."""
+        if self.buf:
+            self._pieces.append(memoryview(self.buf))
+            self._piece_bytes += len(self.buf)
+            self.buf = bytearray()
+
+    def _failure(self) -> BaseException | None:
+        if self.error is not None:
+            return self.error
+        if self.aborted:
+            return StorageError(f"upload of {self.driver.describe(self.key)} was aborted")
+        return None
+
+    def _check(self) -> None:
+        err = self._failure()
+        if err is not None:
+            raise err
+
     def _flush_part(self, *, final: bool) -> None:
+        self._seal()
+        pieces, size = self._pieces, self._piece_bytes
+        self._pieces, self._piece_bytes = [], 0
+        if final and not size:
+            return  # the last part was full: nothing left
         if not self.started:
             self._start()
             self.started = True
-        data = self.buf  # handed over, not copied: the next part gets a fresh buffer
-        self.buf = bytearray()
-        fut = self._upload_part(data, self.offset, final)
-        self.offset += len(data)
-        self.inflight.append(fut)
-        if len(self.inflight) >= self.max_in_flight or final:
-            self._drain(all_=final)
+        budget = self.driver.inflight
+        held = budget.acquire(size, self._failure)
+        number = self.parts + 1
+        try:
+            fut = self._upload_part(pieces, number, self.offset, final)
+        except BaseException:
+            budget.release(held)
+            raise
+        del pieces  # the request holds them, and lets go when it is done
+        self.parts = number
+        self.offset += size
+        self._futures.append(fut)
+        fut.add_done_callback(partial(self._part_done, held))
 
-    def _drain(self, *, all_: bool) -> None:
-        while self.inflight and (all_ or len(self.inflight) >= self.max_in_flight):
-            self.inflight.pop(0).result()
+    def _part_done(self, held: int, fut: concurrent.futures.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            with self._lock:
+                if self.error is None:
+                    self.error = fut.exception()
+        self.driver.inflight.release(held)
 
+    # -- ending -------------------------------------------------------------------------
     def close(self) -> None:
-        if self.closed:
-            return
+        self._close(inline=True).result()
+
+    def close_async(self) -> concurrent.futures.Future[None]:
+        return self._close(inline=False)
+
+    def _close(self, *, inline: bool) -> concurrent.futures.Future[None]:
+        if self._closing is not None:
+            return self._closing
+        self._check()
         if not self.started:
-            data = bytes(self.buf)
-            try:
-                self.driver.put(
-                    self.key, data, exclusive=self.exclusive, if_generation=self.if_generation
-                )
-            except (AlreadyExistsError, StorageError):
-                # A retried put whose first try landed answers 412, and the retry may be
-                # invisible (aiohttp re-sends a PUT on a dropped keep-alive connection);
-                # or the retries ran out with the outcome unknown: ours if the bytes match.
-                if not self._bytes_landed(data):
-                    raise
-            self.buf = bytearray()
+            self._seal()
+            data = b"".join(self._pieces)  # smaller than one part
+            self._pieces, self._piece_bytes = [], 0
+            job: Callable[[], None] = partial(self._put_small, data)
         else:
-            self._flush_part(final=True)
-            self._complete()
+            self._flush_part(final=True)  # (an error here: the caller aborts)
+            job = self._finish
         self.closed = True
+        if inline:
+            try:
+                job()
+                self._closing = _done(None)
+            except BaseException as exc:
+                self._closing = concurrent.futures.Future()
+                self._closing.set_exception(exc)
+                raise
+        else:
+            self._closing = self.driver.complete_later(job)
+        return self._closing
+
+    def _put_small(self, data: bytes) -> None:
+        try:
+            self.driver.put(self.key, data, exclusive=self.exclusive, if_generation=self.if_generation)
+        except (AlreadyExistsError, StorageError):
+            # A retried put whose first try landed answers 412, and the retry may be
+            # invisible (aiohttp re-sends a PUT on a dropped keep-alive connection); or the
+            # retries ran out with the outcome unknown: ours if the bytes match.
+            if not self._bytes_landed(data):
+                raise
+
+    def _submit_part(self, op: str, make: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
+        """Submit a part request (with the retry policy), counted while it runs, so an
+        abort can wait until none is left in flight before it discards the upload."""
+
+        async def counted() -> T:
+            with self._live_cond:
+                self._live += 1
+            try:
+                return await make()
+            finally:
+                with self._live_cond:
+                    self._live -= 1
+                    self._live_cond.notify_all()
+
+        return self.driver.submit(op, self.key, counted)
+
+    def _settle(self) -> None:
+        """Cancel every part request and wait until none is running any more (a request
+        still running could store a part after the upload is discarded)."""
+        for f in list(self._futures):
+            f.cancel()
+        loop = self.driver._loop()
+        for _ in range(2):  # the cancellations are delivered on the loop, in order
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10)
+        with self._live_cond:
+            self._live_cond.wait_for(lambda: self._live == 0, timeout=self.driver.operation_timeout or 60.0)
+
+    def _finish(self) -> None:
+        """Wait for every part, then complete the object; abort the upload on failure."""
+        try:
+            concurrent.futures.wait(self._futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            self._check()
+            for f in self._futures:
+                if f.cancelled():
+                    raise StorageError(f"upload of {self.driver.describe(self.key)} was aborted")
+                f.result()
+            self._complete()
+        except BaseException:
+            self._abort_quietly()
+            raise
 
     def _bytes_landed(self, data: bytes) -> bool:
         try:
@@ -670,27 +1182,46 @@ class BufferedPartWriter(Writer):
             return False
 
     def abort(self) -> None:
-        if self.closed:
+        if self.aborted:
             return
-        self.closed = True
-        for f in self.inflight:
+        self.aborted = True
+        for f in list(self._futures):
             f.cancel()
-        self.inflight.clear()
+        self.driver.inflight.wake()  # a writer waiting for room gives up
+        closing = self._closing
+        if closing is not None:
+            # closed: the completion aborts the upload itself if it fails; once it is over
+            # nothing of this upload is still in flight
+            with contextlib.suppress(BaseException):
+                closing.result()
+            return
         if self.started:
-            try:
-                self._abort()
-            except Exception as exc:  # noqa: BLE001 - best effort; recovery cleans up
-                log.warning("could not abort upload of %s: %s", self.driver.describe(self.key), exc)
+            self._abort_quietly()
+
+    def _abort_quietly(self) -> None:
+        try:
+            self._settle()
+            self._abort()
+        except Exception as exc:  # noqa: BLE001 - best effort; recovery cleans up
+            log.warning("could not abort upload of %s: %s", self.driver.describe(self.key), exc)
 
     # backend hooks
     @abstractmethod
-    def _start(self) -> None: ...
+    def _start(self) -> None:
+        """Begin the upload (before the first part)."""
 
     @abstractmethod
-    def _upload_part(self, data: bytearray, offset: int, final: bool) -> concurrent.futures.Future[Any]: ...
+    def _upload_part(
+        self, pieces: list[memoryview], number: int, offset: int, final: bool
+    ) -> concurrent.futures.Future[Any]:
+        """Start uploading part ``number`` (1-based; its bytes are ``pieces``, from byte
+        ``offset`` of the object); a future of the request."""
 
     @abstractmethod
-    def _complete(self) -> None: ...
+    def _complete(self) -> None:
+        """Every part is uploaded: make the object complete at its key (applying the
+        writer's conditions)."""
 
     @abstractmethod
-    def _abort(self) -> None: ...
+    def _abort(self) -> None:
+        """Discard what was uploaded."""

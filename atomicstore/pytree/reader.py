@@ -274,7 +274,7 @@ def restore(
     subtree: Selector = None,
     allow_missing: bool = False,
     shard_fns: Any = None,
-    threads: int = 8,
+    threads: int | None = None,
     store: Store | None = None,
     **storage_options: Any,
 ) -> Any:
@@ -293,17 +293,20 @@ def restore(
         shard_fns: per-leaf function(s) applied after reading (e.g. ``jax.device_put`` with
             a sharding): a callable ``(path, array) -> value`` or a mapping
             ``"a/b/c" -> fn(array)``.
-        threads: parallel reads.
+        threads: parallel reads (default: 8 on local disk; on object stores as many
+            ranged requests as the store's in-flight budget holds, 32 by default).
 
     Raises :class:`~atomicstore.CorruptionError` naming the file and leaf for damaged data.
     """
-    if not isinstance(threads, int) or threads < 1:
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise InvalidArgumentError("threads must be a positive int")
     if not isinstance(allow_missing, bool):
         raise InvalidArgumentError("allow_missing must be a bool")
     post = per_leaf_fn(shard_fns, "shard_fns")
     root = _select(subtree) or ()
     ckpt, st = _open_checkpoint(url_or_path, store, storage_options)
+    if threads is None:
+        threads = (ckpt.store if ckpt is not None else st[0]).driver.io_threads
     if ckpt is not None:
         where = ckpt.where(STATE_FILE)
         if STATE_FILE not in ckpt.files or INDEX_FILE not in ckpt.files:

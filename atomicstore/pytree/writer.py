@@ -51,11 +51,17 @@ SMALL_LEAF = 1 << 20
 # -- saving --------------------------------------------------------------------------------
 class _Emitter:
     """Appends msgpack bytes to a transaction file: small pieces buffered, array data
-    written straight from its buffer with its CRC32C already known."""
+    written straight from its buffer with its CRC32C already known.
+
+    Where the file takes borrowed buffers (``accepts_borrowed``), the leaves' own buffers
+    and the filled small-piece buffers (never changed once handed over: a fresh one takes
+    the next bytes) are lent to it, so an object-store upload sends them without copying.
+    """
 
     def __init__(self, f: Any, progress: Callable[[int], None] | None) -> None:
         self.f, self.buf, self.flushed, self.progress = f, bytearray(), 0, progress
         self.pack = msgpack.Packer(use_bin_type=True, strict_types=True).pack
+        self.lend = bool(getattr(f, "accepts_borrowed", False))
 
     @property
     def offset(self) -> int:
@@ -67,16 +73,23 @@ class _Emitter:
         if len(self.buf) >= SMALL_LEAF:
             self.flush()
 
-    def big(self, mv: memoryview, crc: int) -> None:
+    def big(self, mv: memoryview, crc: int, lend: bool = False) -> None:
+        """``lend``: ``mv`` is a leaf's own buffer, alive and unchanged during the save."""
         self.flush()
-        self.f.write(mv, crc32c=crc)
+        if lend and self.lend:
+            self.f.write(mv, crc32c=crc, borrow=True)
+        else:
+            self.f.write(mv, crc32c=crc)
         self.flushed += mv.nbytes
         if self.progress:
             self.progress(self.flushed)
 
     def flush(self) -> None:
         if self.buf:
-            self.f.write(self.buf)
+            if self.lend:
+                self.f.write(self.buf, borrow=True)  # never changed again: a new one follows
+            else:
+                self.f.write(self.buf)
             self.flushed += len(self.buf)
             self.buf = bytearray()
 
@@ -122,10 +135,13 @@ def _array_head(arr: np.ndarray, code: int) -> tuple[bytes, str]:
     return hit
 
 
-def _ndarray_ext(em: _Emitter, arr: np.ndarray, code: int) -> tuple[int, int, int, str]:
-    """Write ``arr`` as flax's ndarray ext; return (data offset, nbytes, crc32c, dtype name)."""
+def _ndarray_ext(em: _Emitter, arr: np.ndarray, code: int, lend: bool = False) -> tuple[int, int, int, str]:
+    """Write ``arr`` as flax's ndarray ext; return (data offset, nbytes, crc32c, dtype name).
+    ``lend``: ``arr`` is (a view of) a leaf of the tree, not a temporary: its buffer may be
+    uploaded from as is."""
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)  # (keeps 0-d arrays 0-d, unlike calling it always)
+        lend = False  # a temporary: lending it would keep it alive while its parts fly
     head, name = _array_head(arr, code)
     em.small(head)
     off = em.offset
@@ -135,7 +151,7 @@ def _ndarray_ext(em: _Emitter, arr: np.ndarray, code: int) -> tuple[int, int, in
         return off, len(raw), google_crc32c.value(raw), name
     data = bytes_view(arr)
     crc = crc32c(data)
-    em.big(data, crc)
+    em.big(data, crc, lend)
     return off, arr.nbytes, crc, name
 
 
@@ -193,10 +209,11 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list, opts: _SaveOpt
     x = _to_numpy(path, node, opts)
     if isinstance(x, np.ndarray):
         _check_array(path, x)
+        own = x is node  # the tree's own array (not a converted or cast temporary)
         if x.nbytes > FLAX_MAX_CHUNK:
-            _write_chunked(em, x, path, index)
+            _write_chunked(em, x, path, index, own)
             return
-        off, n, crc, name = _ndarray_ext(em, x, EXT_NDARRAY)
+        off, n, crc, name = _ndarray_ext(em, x, EXT_NDARRAY, own)
         index.append([1, list(path), "nd", name, list(x.shape), off, n, crc])
     elif isinstance(x, np.generic):
         arr = np.asarray(x)
@@ -222,8 +239,9 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list, opts: _SaveOpt
         )
 
 
-def _write_chunked(em: _Emitter, arr: np.ndarray, path: Path, index: list) -> None:
+def _write_chunked(em: _Emitter, arr: np.ndarray, path: Path, index: list, own: bool = False) -> None:
     """flax's chunked-array convention for arrays over 1 GiB."""
+    own = own and arr.flags.c_contiguous  # else ``flat`` is a temporary copy
     flat = np.ascontiguousarray(arr).reshape(-1)
     per = max(1, FLAX_MAX_CHUNK // arr.dtype.itemsize)
     starts = list(range(0, flat.size, per))
@@ -233,7 +251,7 @@ def _write_chunked(em: _Emitter, arr: np.ndarray, path: Path, index: list) -> No
     chunks = []
     for i, s in enumerate(starts):
         em.small(mp.pack(str(i)))
-        off, n, crc, _ = _ndarray_ext(em, flat[s : s + per], EXT_NDARRAY)
+        off, n, crc, _ = _ndarray_ext(em, flat[s : s + per], EXT_NDARRAY, own)
         chunks.append([off, n, crc])
     index.append([1, list(path), "ndc", arr.dtype.name, list(arr.shape), chunks])
 
@@ -333,8 +351,13 @@ class PreparedSave:
         """Write ``state.msgpack`` and ``index.msgpack`` into ``txn`` (the shard files of
         sharded arrays, ``shards``, are already in it)."""
         assert self.writer is not None
-        with txn.open(STATE_FILE) as f:
+        f = txn.open(STATE_FILE)
+        try:
             state_size = self.writer.write(f)
+            f.close(wait=False)  # its last parts fly while the index is written
+        except BaseException:
+            f.abort()
+            raise
         nodes = _sharded_nodes(self.writer.index, shards)
         str_keys = all(type(k) is str for node in nodes for k in node[1])
         doc: dict[str, Any] = {"format": INDEX_FORMAT, "state_size": state_size, "str_keys": str_keys,

@@ -25,10 +25,16 @@ other, as a real object store decides them. And it enforces what moto 5.2.5 igno
 ``If-Match`` on S3 ``CompleteMultipartUpload`` (412 ``PreconditionFailed`` when the
 object's ETag differs, 404 ``NoSuchKey`` when there is no object), checked under the same
 lock, so compare-and-swap completions can be tested.
+
+And it can log requests (:meth:`FaultInjector.recording`): method, kind (list, head, get,
+put, delete), object key, status, and when each arrived and was answered, so tests count
+the requests an operation makes and how many of them waited on each other
+(:meth:`RequestLog.depth`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import html
 import io
 import json
@@ -39,7 +45,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote
@@ -164,6 +170,95 @@ def writes_to(suffix: str) -> Predicate:
     return pred
 
 
+def request_kind(environ: dict[str, Any]) -> str:
+    """What a request is, across both fakes: ``"list"`` (a listing of a bucket),
+    ``"head"`` (an object's metadata: S3 HEAD, GCS metadata GET), ``"get"`` (an object's
+    bytes), ``"put"`` (an object written: S3 PUT or multipart call, GCS upload),
+    ``"delete"``, or ``"other"`` (bucket calls, multipart-upload listings)."""
+    method = environ.get("REQUEST_METHOD", "GET")
+    q = query(environ)
+    key = object_key(environ)
+    if is_gcs(environ):
+        path = environ.get("PATH_INFO", "")
+        if path.startswith("/upload/"):
+            return "delete" if method == "DELETE" else "put"
+        if method == "DELETE":
+            return "delete"
+        if method == "GET" and path.rstrip("/").endswith("/o") and key is None:
+            return "list"
+        if method == "GET" and key is not None:
+            return "get" if (path.startswith("/download/") or q.get("alt") == "media") else "head"
+        return "other"
+    if key is None:
+        if method == "GET" and "uploads" not in q and "location" not in q:
+            return "list"
+        return "other"
+    if method == "HEAD":
+        return "head"
+    if method == "GET":
+        return "get" if "uploadId" not in q else "other"
+    if method in ("PUT", "POST"):
+        return "put"
+    if method == "DELETE":
+        return "delete"
+    return "other"
+
+
+@dataclass(frozen=True)
+class LoggedRequest:
+    """One request as the fake saw it (times from ``time.monotonic()``)."""
+
+    method: str
+    kind: str  # see request_kind
+    key: str | None  # "bucket/key" of the object, None for bucket requests
+    query: str
+    start: float  # arrival, before any injected stall or latency
+    end: float  # answered (or dropped)
+    status: str = ""
+
+
+class RequestLog:
+    """The requests answered while :meth:`FaultInjector.recording` was active."""
+
+    def __init__(self) -> None:
+        self.requests: list[LoggedRequest] = []
+        self._lock = threading.Lock()
+
+    def add(self, r: LoggedRequest) -> None:
+        with self._lock:
+            self.requests.append(r)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self) -> Iterator[LoggedRequest]:
+        return iter(list(self.requests))
+
+    def count(self, kind: str | None = None, where: Callable[[LoggedRequest], bool] | None = None) -> int:
+        """How many requests (of ``kind``; matching ``where(request)``) were logged."""
+        return sum(1 for r in self if (kind is None or r.kind == kind) and (where is None or where(r)))
+
+    def kinds(self) -> Counter[str]:
+        return Counter(r.kind for r in self)
+
+    def depth(self, where: Callable[[LoggedRequest], bool] | None = None) -> int:
+        """The longest chain of (``where``-selected) requests of which each arrived after
+        the previous one was answered: the number of round trips that waited on each
+        other. Requests a client issues concurrently overlap in time (inject ``latency``
+        to make sure they do), so they count once."""
+        reqs = sorted((r for r in self if where is None or where(r)), key=lambda r: r.start)
+        best: list[int] = []
+        for i, r in enumerate(reqs):
+            best.append(1 + max((best[j] for j in range(i) if reqs[j].end <= r.start), default=0))
+        return max(best, default=0)
+
+    def describe(self) -> str:
+        """One line per request, in order of arrival (for assertion messages)."""
+        t0 = min((r.start for r in self), default=0.0)
+        return "\n".join(f"{r.start - t0:8.3f} {r.end - t0:8.3f} {r.kind:6} {r.method:6} {r.status[:3]} "
+                         f"{r.key or ''}?{r.query[:80]}" for r in sorted(self, key=lambda r: r.start))
+
+
 @dataclass
 class FaultPlan:
     """What to inject. Rates are probabilities per request (drawn from ``seed``)."""
@@ -230,6 +325,20 @@ class FaultInjector:
         self._ended_uploads: set[str] = set()
         #: upload id -> ETag of the object its completion created (S3)
         self._completed: dict[str, str] = {}
+        self._logs: list[RequestLog] = []
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[RequestLog]:
+        """Log every request answered inside the ``with`` block (nested recordings each
+        get every request)."""
+        log = RequestLog()
+        with self._lock:
+            self._logs.append(log)
+        try:
+            yield log
+        finally:
+            with self._lock:
+                self._logs.remove(log)
 
     @property
     def s3(self) -> bool:
@@ -346,6 +455,27 @@ class FaultInjector:
 
     # -- WSGI ----------------------------------------------------------------------------
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if not self._logs:
+            return self._serve(environ, start_response)
+        start = time.monotonic()
+        kind, key, qs = request_kind(environ), object_key(environ), environ.get("QUERY_STRING", "")
+        status = ["dropped"]
+
+        def start_logged(st: str, headers: list, *args: Any) -> Any:
+            status[0] = st
+            return start_response(st, headers, *args)
+
+        try:
+            return self._serve(environ, start_logged)
+        finally:
+            entry = LoggedRequest(environ.get("REQUEST_METHOD", "GET"), kind, key, qs, start,
+                                  time.monotonic(), status[0])
+            with self._lock:
+                logs = list(self._logs)
+            for log in logs:
+                log.add(entry)
+
+    def _serve(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         plan = self.plan
         key = object_key(environ) if self.s3 and is_conditional_write(environ) else None
         overlapped = False

@@ -15,7 +15,13 @@ session URL repeats, as GCS's does), delete, and metadata or media GET.
 Supported: bucket get/insert; object get (metadata and ``alt=media`` with ``Range``),
 list (prefix, delimiter, pageToken, maxResults), delete, multipart upload, resumable upload
 (chunks with ``Content-Range``, cancel with DELETE; a finished session answers a repeated
-final chunk with the answer it gave, success or failure).
+final chunk with the answer it gave, success or failure), and ``compose`` (1 to 32
+``sourceObjects``, each optionally at a ``generation`` and with
+``objectPreconditions.ifGenerationMatch``: 404 for a missing source, 412 when a source's
+precondition fails; the destination's preconditions as on any write; the destination
+resource's ``contentType`` and custom ``metadata`` are kept). A composed object has
+``componentCount`` (the sum over its sources, a plain object counting 1) and a ``crc32c``
+but no ``md5Hash``, as on GCS.
 """
 
 from __future__ import annotations
@@ -40,6 +46,13 @@ class _Object:
     data: bytes
     generation: int
     updated: float
+    #: custom metadata (``metadata`` of the object resource)
+    metadata: dict[str, str] | None = None
+    #: composite objects: how many components (GCS reports no MD5 for them)
+    component_count: int | None = None
+    #: CRC32C and MD5 (base64), computed once
+    crc: int | None = None
+    md5: str | None = None
 
 
 #: the preconditions GCS accepts on object requests
@@ -104,9 +117,10 @@ class GCSFake:
         )
 
     def _meta(self, bucket: str, name: str, obj: _Object) -> dict[str, Any]:
-        crc = google_crc32c.value(obj.data).to_bytes(4, "big")
+        if obj.crc is None:
+            obj.crc = google_crc32c.value(obj.data)
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(obj.updated)) + ".000Z"
-        return {
+        doc: dict[str, Any] = {
             "kind": "storage#object",
             "id": f"{bucket}/{name}/{obj.generation}",
             "name": name,
@@ -115,12 +129,20 @@ class GCSFake:
             "generation": str(obj.generation),
             "metageneration": str(METAGENERATION),
             "contentType": "application/octet-stream",
-            "crc32c": base64.b64encode(crc).decode(),
-            "md5Hash": base64.b64encode(hashlib.md5(obj.data).digest()).decode(),
+            "crc32c": base64.b64encode(obj.crc.to_bytes(4, "big")).decode(),
             "updated": ts,
             "timeCreated": ts,
             "storageClass": "STANDARD",
         }
+        if obj.component_count is None:  # GCS has no MD5 of a composite object
+            if obj.md5 is None:
+                obj.md5 = base64.b64encode(hashlib.md5(obj.data).digest()).decode()
+            doc["md5Hash"] = obj.md5
+        else:
+            doc["componentCount"] = obj.component_count
+        if obj.metadata:
+            doc["metadata"] = dict(obj.metadata)
+        return doc
 
     def _json(self, doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
         return Response(json.dumps(doc), status=status, content_type="application/json", headers=headers)
@@ -179,6 +201,8 @@ class GCSFake:
         if not tail.startswith("o/"):
             return self._error(404, f"no route {m} {path}")
         name = tail[2:]
+        if m == "POST" and name.endswith("/compose"):
+            return self._compose(req, bucket, name[: -len("/compose")], q)
         if m == "GET":
             return self._get(req, bucket, name, q, media=(kind == "download" or q.get("alt") == "media"))
         if m == "DELETE":
@@ -254,6 +278,36 @@ class GCSFake:
         if more:
             doc["nextPageToken"] = page[-1][0]
         return self._json(doc)
+
+    def _compose(self, req: Request, bucket: str, name: str, q: dict[str, str]) -> Response:
+        doc = req.get_json(silent=True) or {}
+        sources = doc.get("sourceObjects")
+        if not isinstance(sources, list) or not 1 <= len(sources) <= 32:
+            return self._error(400, "compose takes 1 to 32 sourceObjects")
+        dest = doc.get("destination") or {}
+        with self.lock:
+            objs = self.buckets.get(bucket)
+            if objs is None:
+                return self._error(404, f"bucket {bucket} not found")
+            parts = []
+            count = 0
+            for src in sources:
+                obj = objs.get(str(src.get("name", "")))
+                if obj is None or ("generation" in src and int(src["generation"]) != obj.generation):
+                    return self._error(404, f"No such object: {bucket}/{src.get('name')}")
+                pre = (src.get("objectPreconditions") or {}).get("ifGenerationMatch")
+                if pre is not None and int(pre) != obj.generation:
+                    return self._not_met("ifGenerationMatch (source)")
+                parts.append(obj.data)
+                count += obj.component_count or 1
+            failed = precondition_failure(objs.get(name), _conditions(q))
+            if failed:
+                return self._not_met(failed)
+            meta = dest.get("metadata")
+            obj = _Object(b"".join(parts), next(self._gen), time.time(),
+                          {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else None, count)
+            objs[name] = obj
+            return self._json(self._meta(bucket, name, obj))
 
     def _upload(self, req: Request, bucket: str, q: dict[str, str]) -> Response:
         if q.get("upload_id"):

@@ -1,0 +1,404 @@
+"""The parallel data path of object stores (S3 multipart, GCS parallel composite upload).
+
+Parts of every file of a save draw from one in-flight budget per store, so several files'
+parts fly at once and a stalled part never holds back the others; a failed part aborts
+the upload and recovery removes whatever is left (never the components of an upload in
+flight); the leaves' own buffers are uploaded without copies, so a save's extra memory
+stays within the bound; restores read ranges in parallel and check every leaf.
+
+Concurrency is observed on the server: :class:`Tracker` wraps the fake behind the fault
+injector and holds every part upload for a moment, recording which are in flight at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import FAST_RETRY, Backend
+
+import atomicstore
+from atomicstore.drivers.base import PartBody
+from atomicstore.drivers.gcs import COMPONENTS, MAX_COMPOSE
+from atomicstore.testing.faults import FaultPlan, is_gcs, object_key, query
+
+MiB = 2**20
+
+
+# -- observing the server ---------------------------------------------------------------------
+def part_of(environ: dict[str, Any]) -> tuple[str, int] | None:
+    """(file key, part number) of a part upload: an S3 UploadPart, or the media upload of a
+    GCS composite component (``<root>/.atomicstore/uploads/<key>/<upload>/<n>``)."""
+    q = query(environ)
+    if is_gcs(environ):
+        name = q.get("name", "")
+        if environ.get("PATH_INFO", "").startswith("/upload/") and f"/{COMPONENTS}/" in f"/{name}":
+            rest = name.split(f"{COMPONENTS}/", 1)[1]
+            key, _upload, n = rest.rsplit("/", 2)
+            return key, int(n) if n.isdigit() else 0
+        return None
+    if environ.get("REQUEST_METHOD") == "PUT" and "partNumber" in q:
+        return (object_key(environ) or "").partition("/")[2], int(q["partNumber"])
+    return None
+
+
+def is_ranged_get(environ: dict[str, Any]) -> bool:
+    return environ.get("REQUEST_METHOD") == "GET" and "HTTP_RANGE" in environ
+
+
+class Tracker:
+    """WSGI middleware in front of a fake (behind the fault injector): every request
+    ``watch`` selects is held ``hold`` seconds and recorded while in flight."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]], watch: Callable[[dict], Any], hold: float) -> None:
+        self.app, self.watch, self.hold = app, watch, hold
+        self.lock = threading.Lock()
+        self.now: dict[int, tuple[Any, int]] = {}  # in flight: id -> (what, bytes)
+        self.max_count = 0
+        self.max_bytes = 0
+        self.max_files = 0  # most distinct files with a part in flight at once
+        self.seen: list[Any] = []
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        what = self.watch(environ)
+        if not what:
+            return self.app(environ, start_response)
+        size = int(environ.get("CONTENT_LENGTH") or 0)
+        me = id(environ)
+        with self.lock:
+            self.now[me] = (what, size)
+            self.seen.append(what)
+            self.max_count = max(self.max_count, len(self.now))
+            self.max_bytes = max(self.max_bytes, sum(n for _, n in self.now.values()))
+            files = {w[0] for w, _ in self.now.values() if isinstance(w, tuple)}
+            self.max_files = max(self.max_files, len(files))
+        try:
+            time.sleep(self.hold)
+            return self.app(environ, start_response)
+        finally:
+            with self.lock:
+                del self.now[me]
+
+
+@pytest.fixture
+def tracked(object_backend: Backend) -> Iterator[Callable[..., Tracker]]:
+    injector = object_backend.server.injector
+    inner = injector.app
+
+    def install(watch: Callable[[dict], Any], hold: float = 0.3) -> Tracker:
+        t = Tracker(inner, watch, hold)
+        injector.app = t
+        return t
+
+    yield install
+    injector.app = inner
+
+
+def big_state(n: int, size: int) -> dict[str, Any]:
+    rng = np.random.default_rng(n)
+    return {f"w{i}": rng.integers(0, 2**31, size // 4, dtype=np.int32) for i in range(n)} | {
+        "small": {f"s{i}": np.full(64, i, np.float32) for i in range(20)}}
+
+
+def leftovers(store: atomicstore.Store) -> dict[str, Any]:
+    return {"objects": sorted(store.driver.find("")), "uploads": store.driver.list_incomplete_uploads("")}
+
+
+# -- the write path ---------------------------------------------------------------------------
+def test_parts_of_several_files_fly_at_once_within_one_budget(object_backend, tracked):
+    budget = 20 * MiB  # four parts of 5 MiB for the whole store
+    store = object_backend.open(block_size=5 * MiB, max_inflight_bytes=budget)
+    t = tracked(part_of)
+    a, b = os.urandom(17 * MiB), os.urandom(13 * MiB)
+    with store.transaction("step_1") as txn:
+        for path, data in (("a.bin", a), ("b.bin", b)):
+            f = txn.open(path)
+            f.write(data)
+            f.close(wait=False)  # completes in the background: the next file starts now
+    assert store.read_bytes("step_1", "a.bin") == a and store.read_bytes("step_1", "b.bin") == b
+    assert len(t.seen) == 4 + 3, t.seen  # 5 MiB parts (the last ones shorter)
+    assert t.max_files == 2, "parts of both files must have been in flight at once"
+    assert t.max_count >= 4, f"the budget holds four parts of 5 MiB, saw at most {t.max_count}"
+    assert t.max_bytes <= budget and store.driver.inflight.peak <= budget
+    assert store.driver.inflight.used == 0
+    assert leftovers(store)["uploads"] == []
+
+
+def test_a_stalled_part_does_not_hold_back_the_next_ones(object_backend, tracked):
+    """The old writer waited for its oldest part before preparing the next one; now any
+    finished part makes room, so the others go on while one part is stalled."""
+    store = object_backend.open(block_size=5 * MiB, max_inflight_bytes=20 * MiB)
+    t = tracked(part_of, hold=0.05)
+
+    def first_part(env: dict) -> bool:
+        p = part_of(env)
+        return p is not None and p[1] == 1
+
+    object_backend.faults(FaultPlan(stalls=[(first_part, 2.0)]))
+    data = os.urandom(40 * MiB)  # eight parts
+    t0 = time.monotonic()
+    with store.transaction("step_1") as txn:
+        txn.write_bytes("a.bin", data)
+    elapsed = time.monotonic() - t0
+    assert sorted(n for _, n in t.seen) == list(range(1, 9))
+    # while part 1 was held 2 s, parts 2..8 (more than the budget's four) all went through
+    assert elapsed < 3.5, elapsed
+    assert store.read_bytes("step_1", "a.bin") == data
+
+
+def test_a_failed_part_aborts_the_upload_and_leaves_nothing(object_backend):
+    store = object_backend.open(block_size=5 * MiB, max_inflight_bytes=20 * MiB,
+                                retry=atomicstore.RetryPolicy(attempts=2, initial_wait=0.01, max_wait=0.01))
+
+    def third_part(env: dict) -> bool:
+        p = part_of(env)
+        return p is not None and p[1] == 3
+
+    object_backend.faults(FaultPlan(error_rate=1.0, applies_to=third_part))
+    with pytest.raises(atomicstore.StorageError):
+        atomicstore.save(f"{object_backend.url}/step_1", big_state(4, 8 * MiB), store=store)
+    object_backend.faults(None)
+    assert store.list() == []
+    assert store.driver.inflight.used == 0
+    # the upload was aborted (S3) or its components deleted (GCS); the attempt discarded
+    assert leftovers(store) == {"objects": [], "uploads": []}
+
+
+def test_recovery_removes_the_parts_of_a_crashed_upload_but_not_of_one_in_flight(object_backend):
+    store = object_backend.open(block_size=5 * MiB, lease_ttl=30)
+    txn = store.transaction("step_1")
+    f = txn.open("a.bin")
+    f.write(os.urandom(12 * MiB))  # two parts uploaded; then the writer "dies"
+    deadline = time.monotonic() + 20
+    while store.driver.inflight.used and time.monotonic() < deadline:
+        time.sleep(0.05)
+    other = object_backend.open()
+    report = other.recover(grace=0)  # the upload is older than grace, but its lease is alive
+    assert not [a for a in report.actions if a.kind == "upload"], report.summary()
+    uploads = other.driver.list_incomplete_uploads("")
+    assert len(uploads) == 1 and uploads[0][0] == f"{txn.prefix}/a.bin"
+    if object_backend.kind == "gcs":  # its components are objects in the reserved directory
+        assert len([k for k in other.driver.find(COMPONENTS)]) == 2
+    txn._lease.stop()  # the process is gone: no more renewals
+    report = other.recover(now=time.time() + 30 + other.grace + 1)
+    assert [a.kind for a in report.actions if a.kind == "upload"] == ["upload"], report.summary()
+    assert leftovers(other) == {"objects": [], "uploads": []}
+
+
+def test_lent_buffers_are_uploaded_unchanged_and_copies_are_made_of_the_rest(object_backend):
+    """``write_borrowed`` pieces and copied bytes interleave within parts."""
+    store = object_backend.open(block_size=5 * MiB)
+    big = np.arange(3 * MiB, dtype=np.int32)  # 12 MiB, lent
+    head, tail = os.urandom(1000), os.urandom(7 * MiB + 3)
+    with store.transaction("step_1") as txn:
+        f = txn.open("x")
+        f.write(head)
+        f.write(memoryview(big).cast("B"), borrow=True)
+        f.write(tail)
+        f.close()
+    assert store.read_bytes("step_1", "x") == head + big.tobytes() + tail
+
+
+@pytest.mark.parametrize("size", [0, 1, 5 * MiB, 10 * MiB, 10 * MiB + 1])
+def test_boundary_sizes_round_trip(object_backend, size):
+    store = object_backend.open(block_size=5 * MiB)
+    data = os.urandom(size)
+    with store.transaction("step_1") as txn:
+        txn.write_bytes("x", data)
+    assert store.read_bytes("step_1", "x") == data
+    assert store.verify("step_1").files["x"].size == size
+    assert leftovers(store)["uploads"] == []
+
+
+def test_max_inflight_bytes_is_checked():
+    with pytest.raises(atomicstore.InvalidArgumentError, match="max_inflight_bytes"):
+        atomicstore.open_store("memory://x", max_inflight_bytes=1000)
+
+
+def test_part_body_reads_across_pieces_and_seeks():
+    a, b, c = b"abc", bytearray(b"defgh"), memoryview(b"ij")
+    body = PartBody([memoryview(a), memoryview(b), c])
+    assert len(body) == 10 and body.read(4) == b"abcd" and body.read() == b"efghij"
+    body.seek(2)
+    assert body.read(5) == b"cdefg" and body.tell() == 7
+    body.seek(-1, os.SEEK_END)
+    assert body.read() == b"j" and body.read() == b""
+
+
+# -- GCS: compose -------------------------------------------------------------------------------
+@pytest.fixture
+def gcs_backend(request, tmp_path) -> Backend:
+    from conftest import make_backend
+
+    return make_backend("gcs", request, tmp_path)
+
+
+def test_gcs_object_over_32_components_is_composed_in_a_tree(gcs_backend):
+    store = gcs_backend.open(block_size=256 * 1024)
+    data = os.urandom((MAX_COMPOSE + 5) * 256 * 1024 + 17)  # 38 components
+    with store.one_file("checkpoint_1") as f:
+        f.write(data)
+    assert store.driver.read("checkpoint_1") == data
+    raw = store.driver._metadata("checkpoint_1")
+    assert raw["componentCount"] == 38 and "md5Hash" not in raw
+    assert store.driver.info("checkpoint_1").crc32c is not None
+    assert leftovers(store) == {"objects": ["checkpoint_1"], "uploads": []}
+
+
+def test_gcs_compose_refused_for_an_existing_object_is_a_conflict(gcs_backend):
+    store = gcs_backend.open(block_size=5 * MiB)
+    w = store.driver.open_writer("k", exclusive=True)
+    w.write(os.urandom(6 * MiB))  # one component uploaded
+    store.driver.put("k", b"someone else's")  # the name is taken meanwhile
+    with pytest.raises(atomicstore.AlreadyExistsError):
+        w.close()
+    assert store.driver.read("k") == b"someone else's"
+    assert store.driver.list_incomplete_uploads("") == []  # components deleted
+
+
+def test_gcs_compose_whose_reply_is_lost_is_recognised_as_ours(gcs_backend):
+    store = gcs_backend.open(block_size=5 * MiB)
+
+    def compose(env: dict) -> bool:
+        return env.get("REQUEST_METHOD") == "POST" and env.get("PATH_INFO", "").endswith("/compose")
+
+    data = os.urandom(11 * MiB)
+    gcs_backend.faults(FaultPlan(lost_reply_rate=1.0, applies_to=compose, budget=1))
+    with store.one_file("checkpoint_2") as f:  # ifGenerationMatch=0: the retry gets 412
+        f.write(data)
+    assert gcs_backend.server.injector.counts["lost_reply"] == 1
+    assert store.driver.read("checkpoint_2") == data
+
+
+def test_gcs_fake_compose_checks_sources_and_destination(gcs_backend):
+    d = gcs_backend.open().driver
+    g1 = d.put("c1", b"hello ")
+    g2 = d.put("c2", b"world")
+    bucket, o1 = d.split("c1")
+    _, o2 = d.split("c2")
+    out = d.compose("dest", [(o1, g1), (o2, g2)], {"ifGenerationMatch": "0"}, "u1")
+    assert d.read("dest") == b"hello world" and out["componentCount"] == 2
+    assert out["metadata"] == {"atomicstore-upload": "u1"}
+    with pytest.raises(atomicstore.AlreadyExistsError):  # exists now
+        d.compose("dest", [(o1, g1)], {"ifGenerationMatch": "0"}, "u2")
+    with pytest.raises(atomicstore.StorageError, match="component"):  # a source at another generation
+        d.compose("dest2", [(o1, str(int(g1) + 1))], {"ifGenerationMatch": "0"}, "u3")
+    with pytest.raises(atomicstore.StorageError, match="component"):  # a missing source
+        d.compose("dest2", [(o1 + "-gone", "1")], {}, "u4")
+    # a composite of composites counts every component
+    out = d.compose("dest3", [(d.split("dest")[1], out["generation"]), (o1, g1)], {}, "u5")
+    assert out["componentCount"] == 3 and d.read("dest3") == b"hello worldhello "
+    assert d.info("dest3").crc32c is not None
+
+
+# -- the read path ------------------------------------------------------------------------------
+def test_restore_reads_ranges_in_parallel_and_checks_every_leaf(object_backend, tracked):
+    store = object_backend.open()
+    # over 64 MiB: restored leaf by leaf, each leaf in ranges read at once
+    state = {"big": np.arange(16 * MiB, dtype=np.int32), "mid": np.ones(3 * MiB, np.float32)}
+    atomicstore.save(f"{object_backend.url}/step_1", state, store=store)
+    t = tracked(is_ranged_get, hold=0.2)
+    back = atomicstore.restore(f"{object_backend.url}/step_1", store=store)
+    assert all(np.array_equal(back[k], state[k]) for k in state)
+    chunk = store.driver.read_chunk  # 8 MiB (S3: 16 MiB)
+    ranges = -(-64 * MiB // chunk) + -(-12 * MiB // chunk)
+    assert t.max_count == ranges, f"64 MiB + 12 MiB in {chunk // MiB} MiB ranges: saw {t.max_count} at once"
+    # whole files too (read_into: ranges in parallel, CRC32C combined)
+    ckpt = store.open("step_1")
+    size = ckpt.files["state.msgpack"].size
+    buf = bytearray(size)
+    ckpt.read_into("state.msgpack", buf)
+
+    # damage one byte in the middle of the big leaf: the restore names it
+    key = ckpt.key("state.msgpack")
+    raw = bytearray(store.driver.read(key))
+    raw[len(raw) // 3] ^= 0xFF
+    store.driver.put(key, bytes(raw))
+    with pytest.raises(atomicstore.CorruptionError, match="big"):
+        atomicstore.restore(f"{object_backend.url}/step_1", store=store)
+    with pytest.raises(atomicstore.ChecksumMismatchError):
+        store.open("step_1").read_into("state.msgpack", bytearray(size))
+    with pytest.raises(atomicstore.ChecksumMismatchError):
+        store.verify("step_1")
+
+
+def test_ranged_read_past_the_end_is_short(object_backend):
+    store = object_backend.open()
+    store.driver.put("obj", os.urandom(20 * MiB + 5))
+    buf = bytearray(30 * MiB)
+    assert store.driver.read_into("obj", 0, memoryview(buf)) == 20 * MiB + 5
+    assert store.driver.read_into("obj", 20 * MiB + 5, memoryview(buf)[:10]) == 0
+
+
+# -- memory -------------------------------------------------------------------------------------
+MEMORY_CHILD = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import atomicstore
+
+    url, opts, copies = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "copies"
+    store = atomicstore.open_store(url, max_inflight_bytes=128 * 2**20, **opts)
+    atomicstore.save(url + "/warm", {"x": np.ones(6 * 2**20, np.float32)}, store=store)  # clients, pools
+    if copies:  # leaves under 64 KiB are packed into copied buffers
+        state = {f"l{i}": np.full(16000, i, dtype=np.float32) for i in range(4096)}  # 256 MiB
+    else:
+        state = {f"layer_{i}": np.full(16 * 2**20, i, dtype=np.float32) for i in range(8)}  # 512 MiB
+        state["small"] = {f"s{i}": np.ones(256, np.float32) for i in range(1000)}
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+    # ru_maxrss would be the parent's (it survives fork and exec, and the parent holds the
+    # fakes' data): reset this process's high-water mark instead
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    atomicstore.save(url + "/step_1", state, store=store)
+    print(json.dumps({"before": before, "peak_before": before, "peak": status("VmHWM"),
+                      "inflight_peak": store.driver.inflight.peak}))
+""")
+
+
+@pytest.mark.parametrize("copies", [False, True], ids=["lent", "copies"])
+def test_save_memory_stays_within_the_bound(object_backend, copies):
+    """Lent leaves (big arrays): extra memory ≤ 64 MiB + one buffer, whatever the budget
+    (128 MiB here). Copied parts (a state of small leaves): ≤ 64 MiB + the budget."""
+    opts = dict(object_backend.options)
+    out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, object_backend.url, json.dumps(opts),
+                          "copies" if copies else "lent"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    extra = r["peak"] - max(r["before"], r["peak_before"])
+    print(f"\n{object_backend.kind} save ({'copies' if copies else 'lent'}): peak RSS grew by "
+          f"{extra / MiB:.1f} MiB, in flight at most {r['inflight_peak'] / MiB:.0f} MiB")
+    bound = 64 * MiB + (128 * MiB if copies else 16 * MiB)
+    assert extra < bound, f"save added {extra / MiB:.0f} MiB"
+    store = object_backend.open()
+    assert store.list() == ["step_1", "warm"]
+    assert leftovers(store)["uploads"] == []
+
+
+def test_retry_of_a_part_after_a_reset_sends_the_same_bytes(object_backend):
+    """A part body is re-read from its pieces on every try."""
+    store = object_backend.open(block_size=5 * MiB, retry=FAST_RETRY)
+
+    def part(env: dict) -> bool:
+        return part_of(env) is not None
+
+    object_backend.faults(FaultPlan(reset_rate=1.0, applies_to=part, budget=2))
+    data = np.arange(4 * MiB, dtype=np.int32)  # 16 MiB, lent
+    with store.transaction("step_1") as txn:
+        f = txn.open("x")
+        f.write(memoryview(data).cast("B"), borrow=True)
+        f.close()
+    assert object_backend.server.injector.counts["reset"] >= 1
+    assert store.read_bytes("step_1", "x") == data.tobytes()

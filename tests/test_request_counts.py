@@ -1,0 +1,241 @@
+"""Metadata requests scale with checkpoints, not objects (issue 14).
+
+Counted on the S3 and GCS fakes with the fault layer's request log
+(:meth:`FaultInjector.recording`), never timed: ``list()`` of 1,000 checkpoints of 100
+files each, a ``CheckpointManager`` save with those 1,000 kept, one recovery pass, and the
+round trips of a small save that wait on each other (with latency injected, requests sent
+together overlap in the log, so :meth:`RequestLog.depth` counts them once).
+
+The 100,000 objects are written straight into the fakes' memory (moto's backend, the GCS
+fake's dict): valid checkpoints (marker, manifest, files) in a few seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import atomicstore
+from atomicstore import CheckpointManager
+from atomicstore.commit.manifest import FileEntry, Manifest, Marker, crc32c
+from atomicstore.commit.strategies import new_attempt_id
+from atomicstore.testing.faults import FaultPlan, LoggedRequest, RequestLog
+
+KEPT = 1000
+FILES = 100
+
+
+def tree(v: float) -> dict[str, Any]:
+    return {"w": np.full(8, v, np.float32), "step": v}
+
+
+def is_data(r: LoggedRequest) -> bool:
+    """A write of a checkpoint's own file (not its manifest, marker or lease)."""
+    return r.kind == "put" and "/attempt-" in (r.key or "") and not (r.key or "").endswith("/manifest.json")
+
+
+def metadata(log: RequestLog) -> list[LoggedRequest]:
+    return [r for r in log if not is_data(r)]
+
+
+def where(backend: Any) -> tuple[str, str]:
+    """(bucket, root prefix) of a backend's store."""
+    bucket, _, root = backend.url.split("://", 1)[1].partition("/")
+    return bucket, root
+
+
+def inject(backend: Any, objects: dict[str, bytes]) -> None:
+    """Put objects (keys relative to the store root) straight into the fake's memory."""
+    bucket, root = where(backend)
+    if backend.kind == "s3":
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.s3.models import s3_backends
+
+        s3 = s3_backends[DEFAULT_ACCOUNT_ID]["global"]
+        for key, data in objects.items():
+            s3.put_object(bucket, f"{root}/{key}", data, disable_notification=True)
+    else:
+        from atomicstore.testing.gcsfake import _Object
+
+        app = backend.server.app
+        with app.lock:
+            objs = app.buckets[bucket]
+            for key, data in objects.items():
+                objs[f"{root}/{key}"] = _Object(data, next(app._gen), time.time())
+
+
+def populate(backend: Any, steps: range, files: int, *, prefix: str = "checkpoint_") -> None:
+    """Committed checkpoints ``<prefix><step>`` as ``CheckpointManager.save`` writes them
+    (state, index and metadata of a real save), each with ``files - 2`` more files."""
+    src = backend.open()
+    CheckpointManager(backend.url, storage_options=backend.options, store=src, recover=False,
+                      keep=10**6).save(0, tree(0))
+    ck = src.open(f"{prefix}0")
+    blobs = {p: ck.read_bytes(p) for p in ck.files}
+    src.delete(f"{prefix}0")
+    extra = {f"shards/{i:03d}.bin": bytes([i % 256]) * 3 for i in range(files - len(blobs))}
+    contents = {**blobs, **extra}
+    entries = {p: FileEntry(len(b), crc32c(b)) for p, b in contents.items()}
+    objects: dict[str, bytes] = {}
+    for s in steps:
+        name, attempt = f"{prefix}{s}", new_attempt_id()
+        man = Manifest(name=name, attempt=attempt, writer="populate", created=time.time(), files=entries,
+                       metadata={**ck.metadata, "step": s}, committed=time.time()).to_bytes()
+        base = f"{name}/attempt-{attempt}"
+        objects.update({f"{base}/{p}": b for p, b in contents.items()})
+        objects[f"{base}/manifest.json"] = man
+        objects[f"{name}/commit_success.txt"] = Marker.new(name, attempt, "populate", man).to_bytes()
+    inject(backend, objects)
+
+
+@pytest.fixture
+def big(object_backend: Any) -> Any:
+    """A store holding 1,000 committed checkpoints of 100 files each."""
+    populate(object_backend, range(1, KEPT + 1), FILES)
+    return object_backend
+
+
+def test_list_of_1000_checkpoints_of_100_files_costs_a_few_requests(big):
+    store = big.open()
+    with big.server.injector.recording() as log:
+        names = store.list()
+    assert names == [f"checkpoint_{s}" for s in range(1, KEPT + 1)]
+    # one listing with the delimiter "/attempt-": a marker and one rolled-up prefix per
+    # checkpoint (2,000 entries: 2 pages), not 100,000 objects (100 pages)
+    assert len(log) <= 5, log.describe()
+    assert log.kinds() == {"list": len(log)}
+    with big.server.injector.recording() as log:
+        committed = store.committed()
+    assert list(committed) == names and all(committed.values())  # each marker's generation
+    assert len(log) <= 5
+
+
+def test_manager_save_with_1000_kept_costs_a_bounded_number_of_requests(big):
+    mgr = CheckpointManager(big.url, storage_options=big.options, keep=1, keep_every_n_steps=1,
+                            recover=False)
+    with big.server.injector.recording() as first:
+        mgr.save(KEPT + 1, tree(KEPT + 1))  # reads the metadata of every kept step once
+    # (each of those reads is one conditional GET of the marker and one of the manifest)
+    assert len(metadata(first)) <= 2 * (KEPT + 1) + 20, first.kinds()
+    for step in (KEPT + 2, KEPT + 3):
+        with big.server.injector.recording() as log:
+            mgr.save(step, tree(step))
+        meta = metadata(log)
+        assert len(meta) <= 20, log.describe()
+        assert sum(1 for r in log if is_data(r)) == 2  # state.msgpack and index.msgpack
+        assert sum(1 for r in meta if r.kind == "list") <= 6  # two listings of ~2,000 entries
+        assert sum(1 for r in meta if r.kind in ("get", "head")) <= 6  # not one per kept step
+    assert mgr.all_steps() == list(range(1, KEPT + 4))
+    assert mgr.restore()["step"] == KEPT + 3
+    assert mgr.restore(500)["step"] == 0  # a populated step (its state is step 0's)
+
+
+def test_manager_rereads_a_step_another_process_overwrote(object_backend):
+    """The manager reuses the metadata it verified only while the step's commit point is
+    at the same generation: a milestone that another process re-saved as an ordinary
+    checkpoint is then deleted by retention (a cache that ignored generations would keep
+    it), and the step saved since is read afresh."""
+    b = object_backend
+    mgr = CheckpointManager(b.url, storage_options=b.options, keep=1, recover=False)
+    mgr.save(1, tree(1), milestone=True)
+    mgr.save(2, tree(2))
+    assert mgr.all_steps() == [1, 2]  # the milestone is kept
+    other = CheckpointManager(b.url, storage_options=b.options, keep=10, overwrite=True, recover=False)
+    other.save(1, tree(10))  # replaces step 1 (a plain checkpoint now) and removes step 2
+    assert other.all_steps() == [1]
+    assert not mgr.metadata(1)["milestone"]
+    mgr.save(3, tree(3))
+    assert mgr.all_steps() == [3], "retention judged step 1 by stale metadata"
+
+
+def test_recovery_is_one_pass_over_the_objects(object_backend):
+    b = object_backend
+    populate(b, range(1, 41), 40)  # 40 checkpoints x 40 files: 1,640 objects
+    store = b.open()
+    with store.transaction("checkpoint_41") as txn:
+        txn.write_bytes("a", b"a")
+    crashed = store.transaction("checkpoint_42")  # a dead save: its attempt is removed
+    store.driver.put(f"{crashed.prefix}/b", b"b")
+    crashed._lease.stop()
+    keys = len(store.driver.find(""))
+    assert 1000 < keys <= 2000
+    _, root = where(b)
+    with b.server.injector.recording() as log:
+        report = store.recover(now=time.time() + 10**6)
+    assert [a.target for a in report.actions if a.kind == "attempt"] == [crashed._prefix], report.summary()
+    listings = [r for r in log if r.kind == "list"]
+    of_root = [r for r in listings if f"prefix={root}%2F&" in r.query or f"prefix={root}/&" in r.query]
+    assert len(of_root) == 2, log.describe()  # one pass: the two pages of one listing
+    # other listings: of the attempt removed (what is under it, afresh) and of the
+    # reserved directory (unfinished uploads), never of the checkpoints' objects again
+    others = [r for r in listings if r not in of_root]
+    assert all("checkpoint_42%2Fattempt-" in r.query or "checkpoint_42/attempt-" in r.query
+               or ".atomicstore" in r.query for r in others), log.describe()
+    # each marker read once, by one GET (recovery only nominates with it); one more
+    # fresh read of the dead attempt's marker before its removal
+    markers = [r for r in log if (r.key or "").endswith("/commit_success.txt")]
+    assert sum(1 for r in markers if r.kind == "get") == 41, log.describe()
+    assert len(markers) <= 41 + 2, log.describe()
+    assert store.list() == [f"checkpoint_{s}" for s in range(1, 42)]
+
+
+def test_small_save_round_trips(object_backend):
+    b = object_backend
+    store = b.open()
+    b.faults(FaultPlan(latency=0.25))  # requests sent together overlap in the log
+    with b.server.injector.recording() as log:
+        with store.transaction("small") as txn:
+            txn.write_bytes("a.bin", b"a")
+            txn.write_bytes("b.bin", b"b")
+    b.faults(None)
+    data = [r for r in log if is_data(r)]
+    assert len(data) == 2
+    # HEAD of the marker with the lease PUT, manifest PUT, lease check, marker PUT,
+    # manifest check, lease DELETE: 6 round trips that wait on each other, plus the data
+    assert log.depth(lambda r: not is_data(r)) <= 6, log.describe()
+    assert log.depth() <= 6 + len(data), log.describe()
+    assert len(log) == 9, log.describe()
+    # the conflict check and the lease overlap; no data object exists before the lease
+    lease = next(r for r in log if r.kind == "put" and "/.atomicstore/leases/" in (r.key or ""))
+    head = next(r for r in log if r.kind == "head" and (r.key or "").endswith("small/commit_success.txt"))
+    assert head.start < lease.end and lease.start < head.end, log.describe()
+    assert all(lease.end <= r.start for r in data), log.describe()
+    assert not [r for r in log if r.kind == "list"]  # no listing behind an existence check
+    assert store.read_bytes("small", "a.bin") == b"a"
+
+
+def test_conflict_found_early_still_leaves_no_lease(object_backend):
+    """The early conflict check runs alongside the lease write: the lease of a save that
+    is refused at once is removed again."""
+    store = object_backend.open()
+    with store.transaction("taken") as txn:
+        txn.write_bytes("a", b"a")
+    with pytest.raises(atomicstore.CommitConflictError):
+        store.transaction("taken")
+    assert not [k for k in store.driver.find("") if k.startswith(".atomicstore/")]
+
+
+def test_a_store_that_cuts_the_delimiter_short_is_listed_object_by_object(object_backend, caplog):
+    """A store that rolled keys up at the delimiter's first character would hide the
+    markers: its answer is not used; the listing falls back to every object, and the
+    delimiter is not tried again."""
+    store = object_backend.open()
+    for name in ("a", "b"):
+        with store.transaction(name) as txn:
+            txn.write_bytes("x", b"x")
+    driver: Any = store.driver
+    real = driver._list_page
+
+    async def first_character_only(where: str, delimiter: str, token: str | None) -> Any:
+        return await real(where, delimiter[0], token)
+
+    driver._list_page = first_character_only
+    with caplog.at_level("WARNING", logger="atomicstore.drivers"):
+        assert store.list() == ["a", "b"]
+    assert "does not list with the delimiter '/attempt-'" in caplog.text
+    with object_backend.server.injector.recording() as log:
+        assert store.list() == ["a", "b"]
+    assert log.count("list") >= 1 and not [r for r in log if "attempt-" in r.query], log.describe()
