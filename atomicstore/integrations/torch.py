@@ -279,8 +279,28 @@ def _abort(holder: list[Transaction | None]) -> None:
         txn.abort()
 
 
+class _Located:
+    """Where a writer's or reader's checkpoint lives: ``<root>/<name>`` and its store."""
+
+    root: str
+    name: str
+    store_options: dict[str, Any]
+    _store: Store | None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.root}/{self.name}"
+
+    @property
+    def store(self) -> Store:
+        """The store holding the checkpoint (opened on first use, again if the root changed)."""
+        if self._store is None or self._store.url.rstrip("/") != self.root.rstrip("/"):
+            self._store = open_store(self.root, **self.store_options)
+        return self._store
+
+
 # -- writer -------------------------------------------------------------------------------
-class AtomicStorageWriter(StorageWriter):
+class AtomicStorageWriter(_Located, StorageWriter):
     """A DCP ``StorageWriter`` whose checkpoint becomes visible only complete, once.
 
     Args:
@@ -329,17 +349,6 @@ class AtomicStorageWriter(StorageWriter):
         self.__dict__.update(state)
         self._txn = [None]
         self._finalizer = weakref.finalize(self, _abort, self._txn)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return f"{self.root}/{self.name}"
-
-    @property
-    def store(self) -> Store:
-        """The store holding the checkpoint (opened on first use)."""
-        if self._store is None or self._store.url.rstrip("/") != self.root.rstrip("/"):
-            self._store = open_store(self.root, **self.store_options)
-        return self._store
 
     @property
     def transaction(self) -> Transaction | None:
@@ -482,7 +491,7 @@ class AtomicStorageWriter(StorageWriter):
 
 
 # -- reader -------------------------------------------------------------------------------
-class AtomicStorageReader(StorageReader):
+class AtomicStorageReader(_Located, StorageReader):
     """A DCP ``StorageReader`` that reads only a committed checkpoint and verifies every
     item it reads against its CRC32C.
 
@@ -524,16 +533,6 @@ class AtomicStorageReader(StorageReader):
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__ | {"_store": None, "_ckpt": None}
-
-    @property
-    def checkpoint_id(self) -> str:
-        return f"{self.root}/{self.name}"
-
-    @property
-    def store(self) -> Store:
-        if self._store is None or self._store.url.rstrip("/") != self.root.rstrip("/"):
-            self._store = open_store(self.root, **self.store_options)
-        return self._store
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
