@@ -18,7 +18,14 @@ def tests(session: nox.Session) -> None:
     """Install the package with its test extra and run the whole suite."""
     session.install(TORCH)
     session.install("-e", ".[test]")
-    session.run("pytest", "-q", *session.posargs)
+    # The Orbax integration's tests run in a process of their own: in one process after
+    # tests/test_faults.py's stalled object-store requests, Orbax's epath/gcsfs client
+    # waits forever in its first GCS request (not yet understood; the tests pass alone).
+    if not session.posargs:
+        session.run("pytest", "-q", "tests/test_integration_orbax.py")
+        session.run("pytest", "-q", "--ignore=tests/test_integration_orbax.py")
+    else:
+        session.run("pytest", "-q", *session.posargs)
 
 
 @nox.session
