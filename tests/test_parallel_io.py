@@ -117,7 +117,7 @@ def leftovers(store: atomicstore.Store) -> dict[str, Any]:
 def test_parts_of_several_files_fly_at_once_within_one_budget(object_backend, tracked):
     budget = 20 * MiB  # four parts of 5 MiB for the whole store
     store = object_backend.open(block_size=5 * MiB, max_inflight_bytes=budget)
-    t = tracked(part_of)
+    t = tracked(part_of, hold=1.5)  # long enough that file a's parts are still held under load
     a, b = os.urandom(17 * MiB), os.urandom(13 * MiB)
     with store.transaction("step_1") as txn:
         for path, data in (("a.bin", a), ("b.bin", b)):

@@ -26,8 +26,9 @@ stock ``FileSystemReader``. atomicstore adds ``manifest.json`` and
 ``atomicstore-dcp.json`` (the CRC32C of every item, so a ranged read is verified).
 
 A save that fails after the global plan leaves its attempt open on the coordinator until
-the writer is used again (``reset``), leaves a ``with`` block, is :meth:`aborted
-<AtomicStorageWriter.abort>` or garbage-collected, or the process exits; a coordinator that
+the writer is used again (``reset``), leaves a ``with`` block on the error, is :meth:`aborted
+<AtomicStorageWriter.abort>`, or the process exits (garbage collection may do it sooner,
+but something may still hold the writer: use the ``with`` block); a coordinator that
 dies leaves it to recovery (``store.recover()``) once its lease has expired.
 """
 
