@@ -1,7 +1,7 @@
 """Commit layer: transactions, manifests, commit strategies, recovery. Never imports jax."""
 
 from .manifest import FileEntry, Manifest, Marker, crc32c
-from .names import natural_key, natural_sort, validate_name, validate_path
+from .names import natural_key, natural_sort, path_argument, validate_name, validate_path
 from .onefile import OneFileCommit
 from .recovery import RecoveryAction, RecoveryReport
 from .store import CheckedReader, Checkpoint, Store, open_store
@@ -28,6 +28,7 @@ __all__ = [
     "natural_key",
     "natural_sort",
     "open_store",
+    "path_argument",
     "validate_name",
     "validate_path",
 ]

@@ -6,7 +6,9 @@ before anything is written or read, so that none can escape the store's root.
 
 from __future__ import annotations
 
+import os
 import re
+from typing import Any
 
 from ..errors import InvalidArgumentError
 
@@ -80,3 +82,13 @@ def natural_key(name: str) -> tuple:
 def natural_sort(names: list[str]) -> list[str]:
     """``names`` sorted by :func:`natural_key`."""
     return sorted(names, key=natural_key)
+
+
+def path_argument(value: Any, what: str = "path") -> str:
+    """A path or URL argument as a non-empty ``str`` (``os.PathLike`` accepted); raise
+    :class:`~atomicstore.InvalidArgumentError` naming ``what`` otherwise."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidArgumentError(f"{what} must be a non-empty str or path, got {value!r}")
+    return value

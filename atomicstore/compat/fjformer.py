@@ -59,7 +59,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-from ..commit import Store, crc32c, open_store, validate_name, validate_path
+from ..commit import Store, crc32c, open_store, path_argument, validate_name, validate_path
 from ..commit.manifest import crc32c_combine
 from ..errors import (
     AtomicStoreError,
@@ -112,14 +112,6 @@ def _record_key(name: str) -> str:
 
 
 # -- arguments ------------------------------------------------------------------------------
-def _fspath(path: Any, what: str = "path") -> str:
-    if isinstance(path, os.PathLike):
-        path = os.fspath(path)
-    if not isinstance(path, str) or not path.strip():
-        raise InvalidArgumentError(f"{what} must be a non-empty str or path, got {path!r}")
-    return path
-
-
 def _check_bool(value: Any, what: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidArgumentError(f"{what} must be a bool, got {value!r}")
@@ -215,7 +207,7 @@ def _is_url(path: str) -> bool:
 def _locate(path: Any, storage_options: Any, *, writing: bool) -> tuple[Store, str]:
     """(the store holding ``path``'s directory, the file's name in it). Reading a local
     file that does not exist raises :class:`NotFoundError` without creating anything."""
-    p = _fspath(path)
+    p = path_argument(path, "path")
     opts = _check_options(storage_options)
     if _is_url(p):
         root, _, name = p.rstrip("/").rpartition("/")
@@ -427,7 +419,7 @@ def save_state_to_file(
     _check_bool(mismatch_allowed, "mismatch_allowed")
     _check_bool(overwrite, "overwrite")
     cast = _float_dtype(float_dtype)
-    p = _fspath(path)
+    p = path_argument(path, "path")
     fl = _flax()
     flat = _state_dict(state, "state", fl)
     gathers = _functions(gather_fns, "gather_fns", fl)
@@ -1026,7 +1018,7 @@ class CheckpointManager:
         *,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.checkpoint_dir = _fspath(checkpoint_dir, "checkpoint_dir")
+        self.checkpoint_dir = path_argument(checkpoint_dir, "checkpoint_dir")
         self.enable = _check_bool(enable, "enable")
         _float_dtype(float_dtype)
         self.float_dtype = float_dtype
@@ -1038,7 +1030,7 @@ class CheckpointManager:
     load_checkpoint = staticmethod(load_checkpoint)
 
     def _path(self, filename: str | os.PathLike[str]) -> str:
-        f = _fspath(filename, "filename")
+        f = path_argument(filename, "filename")
         d = self.checkpoint_dir
         return f"{d.rstrip('/')}/{f}" if _is_url(d) else os.path.join(d, f)
 

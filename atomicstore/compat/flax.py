@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..commit import Store, Transaction, open_store
+from ..commit import Store, Transaction, open_store, path_argument
 from ..commit.names import FLOAT_RE
 from ..errors import (
     CommitConflictError,
@@ -174,14 +174,6 @@ _recovered: set[tuple[str, str]] = set()
 _lock = threading.Lock()
 
 
-def _fspath(ckpt_dir: Any, what: str = "ckpt_dir") -> str:
-    if isinstance(ckpt_dir, os.PathLike):
-        ckpt_dir = os.fspath(ckpt_dir)
-    if not isinstance(ckpt_dir, str) or not ckpt_dir.strip():
-        raise InvalidArgumentError(f"{what} must be a non-empty str or path, got {ckpt_dir!r}")
-    return ckpt_dir
-
-
 def _is_url(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
@@ -252,7 +244,7 @@ def _check_save(ckpt_dir: Any, step: Any, prefix: Any, keep: Any, keep_every_n_s
     if async_manager is not None and not isinstance(async_manager, AsyncManager):
         raise InvalidArgumentError("async_manager must be an atomicstore.compat.flax.AsyncManager")
     check_retention(prefix, keep, keep_every_n_steps)
-    return check_step(step), safe_normpath(_fspath(ckpt_dir))
+    return check_step(step), safe_normpath(path_argument(ckpt_dir, "ckpt_dir"))
 
 
 def save_checkpoint(
@@ -458,7 +450,7 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike[str], prefix: str = "checkpoin
                       storage_options: Mapping[str, Any] | None = None) -> str | None:
     """The path of the latest committed checkpoint in ``ckpt_dir``, or None."""
     check_retention(prefix)
-    found = _all_checkpoints(_fspath(ckpt_dir), prefix, storage_options)
+    found = _all_checkpoints(path_argument(ckpt_dir, "ckpt_dir"), prefix, storage_options)
     return found[-1] if found else None
 
 
@@ -469,7 +461,7 @@ def available_steps(ckpt_dir: str | os.PathLike[str], prefix: str = "checkpoint_
     if step_type not in (int, float):
         raise InvalidArgumentError("step_type must be int or float")
     out = []
-    for path in _all_checkpoints(_fspath(ckpt_dir), prefix, storage_options):
+    for path in _all_checkpoints(path_argument(ckpt_dir, "ckpt_dir"), prefix, storage_options):
         rest = path[path.rfind(prefix) + len(prefix):]
         try:
             out.append(step_type(rest))
@@ -500,7 +492,7 @@ def restore_checkpoint(
     :class:`~atomicstore.CorruptionError` naming the file and leaf. Arrays saved across
     processes (``_gda``) are read back from their shards, checksums checked."""
     check_retention(prefix)
-    ckpt_dir = safe_normpath(_fspath(ckpt_dir))
+    ckpt_dir = safe_normpath(path_argument(ckpt_dir, "ckpt_dir"))
     start = time.monotonic()
     orbax = False
     if step is not None:
