@@ -133,8 +133,8 @@ class CrashingDriver(Driver):
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         return self._r().read(key, start, end)
 
-    def read_into(self, key: str, offset: int, out: memoryview) -> int:
-        return self._r().read_into(key, offset, out)
+    def read_into(self, key: str, offset: int, out: memoryview, *, generation: str | None = None) -> int:
+        return self._r().read_into(key, offset, out, generation=generation)
 
     def iter_read(self, key: str, chunk_size: int | None = None) -> Iterator[bytes]:
         return self._r().iter_read(key, chunk_size)

@@ -1016,8 +1016,9 @@ class SchedDriver(Driver):
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         return self._call(Op("read", key), lambda: self.inner.read(key, start, end))
 
-    def read_into(self, key: str, offset: int, out: memoryview) -> int:
-        return self._call(Op("read_into", key), lambda: self.inner.read_into(key, offset, out))
+    def read_into(self, key: str, offset: int, out: memoryview, *, generation: str | None = None) -> int:
+        return self._call(Op("read_into", key),
+                          lambda: self.inner.read_into(key, offset, out, generation=generation))
 
     def iter_read(self, key: str, chunk_size: int | None = None) -> Iterator[bytes]:
         # one point for the whole (small) object: the chunks are read at once

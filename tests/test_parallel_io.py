@@ -402,3 +402,119 @@ def test_retry_of_a_part_after_a_reset_sends_the_same_bytes(object_backend):
         f.close()
     assert object_backend.server.injector.counts["reset"] >= 1
     assert store.read_bytes("step_1", "x") == data.tobytes()
+
+
+# -- found by a black-box attacker (issue 14) -------------------------------------------------
+class Gate:
+    """WSGI middleware: the first request ``pred`` selects waits until :attr:`release`
+    is set (a scheduler for one interleaving; later matches pass)."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]], pred: Callable[[dict], bool]) -> None:
+        self.app, self.pred = app, pred
+        self.arrived, self.release = threading.Event(), threading.Event()
+        self.lock = threading.Lock()
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        with self.lock:
+            hold = not self.arrived.is_set() and self.pred(environ)
+            if hold:
+                self.arrived.set()
+        if hold:
+            self.release.wait(60)
+        return self.app(environ, start_response)
+
+
+@pytest.fixture
+def gated(object_backend: Backend) -> Iterator[Callable[[Callable[[dict], bool]], Gate]]:
+    injector = object_backend.server.injector
+    inner = injector.app
+
+    def install(pred: Callable[[dict], bool]) -> Gate:
+        g = Gate(inner, pred)
+        injector.app = g
+        return g
+
+    yield install
+    injector.app = inner
+
+
+def _wait_for_upload(store: atomicstore.Store) -> list[tuple[str, str, float]]:
+    deadline = time.monotonic() + 30
+    while not (found := store.driver.list_incomplete_uploads("")):
+        assert time.monotonic() < deadline, "the upload never started"
+        time.sleep(0.05)
+    return found
+
+
+def test_recovery_never_touches_uploads_of_a_sibling_root(object_backend):
+    """``s3://b/ckpts`` and ``s3://b/ckpts2`` are two stores: recovering the first (even
+    with ``grace=0``, as opening a manager does with its default) must not list, let alone
+    abort, a live upload of the second (S3 listed uploads by the bare key prefix)."""
+    srv = object_backend.server
+    bucket = object_backend.url.split("://", 1)[1].split("/", 1)[0]
+    sibling = atomicstore.open_store(srv.url(bucket, "ckpts2"), retry=FAST_RETRY, **object_backend.options)
+    store = atomicstore.open_store(object_backend.url, retry=FAST_RETRY, **object_backend.options)
+    payload = os.urandom(20 * MiB)
+    with sibling.transaction("step_1") as txn:
+        f = txn.open("big.bin")
+        f.write(payload)  # parts start flying; the upload stays open until close
+        _wait_for_upload(sibling)
+        report = store.recover(grace=0)
+        assert report.actions == [], report.actions
+        f.close()
+    assert sibling.open("step_1").read_bytes("big.bin") == payload
+
+
+def test_abort_of_an_upload_that_is_gone_is_not_an_error(object_backend):
+    """Recovery lists an unfinished upload, then the save completes it (or a concurrent
+    recovery aborts it) before the abort: the abort finds nothing and must not fail."""
+    store = atomicstore.open_store(object_backend.url, retry=FAST_RETRY, **object_backend.options)
+    with store.transaction("step_1") as txn:
+        f = txn.open("big.bin")
+        f.write(os.urandom(20 * MiB))
+        (key, upload_id, _), = _wait_for_upload(store)
+        f.close()
+    assert store.driver.list_incomplete_uploads("") == []
+    store.driver.abort_upload(key, upload_id)  # completed meanwhile: nothing to abort
+    store.driver.abort_upload(key, upload_id)  # and again, as a second recovery would
+    assert len(store.open("step_1").read_bytes("big.bin")) == 20 * MiB
+
+
+def test_one_file_restore_never_mixes_two_versions(object_backend, gated):
+    """A one-file (flax-layout) checkpoint is replaced in place by an overwrite. A restore
+    reading it in parallel ranges, with the overwrite landing between its ranges, must
+    not return leaves of both versions: every range is conditional on the generation it
+    first saw, so it fails with PreconditionFailedError ("read it again")."""
+    from atomicstore.compat import flax as checkpoints
+
+    so = dict(object_backend.options, retry=FAST_RETRY)
+    n = 2 * MiB
+    old = {"a": np.zeros(n // 4, np.int32), "b": np.zeros(n // 4, np.int32)}
+    new = {"a": np.ones(n // 4, np.int32), "b": np.ones(n // 4, np.int32)}
+    checkpoints.save_checkpoint(object_backend.url, old, step=1, storage_options=so)
+
+    def leaf_b(environ: dict) -> bool:  # the ranged GET of leaf b's data (past leaf a)
+        if not is_ranged_get(environ) or not (object_key(environ) or "").endswith("checkpoint_1"):
+            return False
+        start, end = map(int, environ["HTTP_RANGE"].split("=")[1].split("-"))
+        return start > n and end - start + 1 >= n
+
+    gate = gated(leaf_b)
+    out: dict[str, Any] = {}
+
+    def reader() -> None:
+        try:
+            out["v"] = checkpoints.restore_checkpoint(object_backend.url, target=None, step=1,
+                                                      storage_options=so)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            out["e"] = exc
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert gate.arrived.wait(60), "the restore never read leaf b by a ranged GET"
+    checkpoints.save_checkpoint(object_backend.url, new, step=1, overwrite=True, storage_options=so)
+    gate.release.set()
+    t.join(120)
+    assert isinstance(out.get("e"), atomicstore.PreconditionFailedError), out
+    again = checkpoints.restore_checkpoint(object_backend.url, target=None, step=1, storage_options=so)
+    assert all((np.asarray(v) == 1).all() for v in again.values())

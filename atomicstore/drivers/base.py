@@ -291,12 +291,33 @@ class Driver(ABC):
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of ``key`` (the whole object by default)."""
 
-    def read_into(self, key: str, offset: int, out: memoryview) -> int:
+    def read_into(self, key: str, offset: int, out: memoryview, *, generation: str | None = None) -> int:
         """Fill ``out`` with bytes from ``offset`` of ``key``; return how many were read
-        (fewer only at the end of the object)."""
+        (fewer only at the end of the object). With ``generation`` (from :meth:`info`),
+        every byte comes from that version of the object, or
+        :class:`PreconditionFailedError` says it was replaced meanwhile (a reader of an
+        object that is overwritten in place, e.g. a one-file checkpoint, then never
+        mixes two versions)."""
         data = self.read(key, offset, offset + out.nbytes)
         out[: len(data)] = data
+        self._still_at(key, generation)
         return len(data)
+
+    def _still_at(self, key: str, generation: str | None) -> None:
+        """After a read: raise unless ``key`` is still at ``generation``. Generations are
+        never reused, so an object found at the same generation after the read was at it
+        during the whole read."""
+        if generation is None:
+            return
+        try:
+            now = self.info(key).generation
+        except NotFoundError:
+            now = None
+        if now != generation:
+            raise PreconditionFailedError(
+                f"{self.describe(key)} was replaced while it was read (generation {generation}, "
+                f"now {now}): read it again"
+            )
 
     def iter_read(self, key: str, chunk_size: int | None = None) -> Iterator[bytes]:
         """Stream ``key`` in chunks (range reads by default)."""
@@ -732,10 +753,11 @@ class AsyncFsspecDriver(Driver):
         """A coroutine reading bytes ``[start, end)`` of ``key``."""
         return self.fs._cat_file(self.path(key), start=start, end=end)  # type: ignore[no-any-return]
 
-    async def _get_into(self, key: str, start: int, out: memoryview) -> int:
+    async def _get_into(self, key: str, start: int, out: memoryview, *, generation: str | None = None) -> int:
         """Read ``out.nbytes`` bytes of ``key`` from ``start`` into ``out``; how many
         there were (fewer only at the end of the object). Backends stream the answer into
-        ``out`` without an intermediate copy of the range."""
+        ``out`` without an intermediate copy of the range; those with
+        :attr:`native_generation_reads` make it conditional on ``generation``."""
         data = await self._read_range(key, start, start + out.nbytes)
         out[: len(data)] = data
         return len(data)
@@ -743,9 +765,14 @@ class AsyncFsspecDriver(Driver):
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         return self.call("read", key, lambda: self._read_range(key, start, end))
 
-    def read_into(self, key: str, offset: int, out: memoryview) -> int:
+    #: whether :meth:`_get_into` honours ``generation`` itself (a conditional GET), so
+    #: :meth:`read_into` need not check the generation after the reads
+    native_generation_reads: ClassVar[bool] = False
+
+    def read_into(self, key: str, offset: int, out: memoryview, *, generation: str | None = None) -> int:
         """Ranged reads of :attr:`read_chunk` bytes straight into ``out``, as many at
-        once as the store's in-flight budget allows."""
+        once as the store's in-flight budget allows; with ``generation``, each of them
+        conditional on it (:meth:`Driver.read_into`)."""
         mv = memoryview(out).cast("B")
         step = self.read_chunk
         spans = [(a, min(step, mv.nbytes - a)) for a in range(0, mv.nbytes, step)]
@@ -760,7 +787,8 @@ class AsyncFsspecDriver(Driver):
                 held = self.inflight.acquire(k, failed)
                 try:
                     fut = self.submit("read", key, partial(
-                        self._get_into_or_end, key, offset + a, mv[a : a + k]))
+                        self._get_into_or_end, key, offset + a, mv[a : a + k], generation),
+                        "generation" if generation is not None else None)
                 except BaseException:
                     self.inflight.release(held)
                     raise
@@ -776,10 +804,15 @@ class AsyncFsspecDriver(Driver):
             total += got
             if got < k:
                 break  # the object ends here
+        if not self.native_generation_reads:
+            self._still_at(key, generation)
         return total
 
-    async def _get_into_or_end(self, key: str, start: int, out: memoryview) -> int:
+    async def _get_into_or_end(self, key: str, start: int, out: memoryview,
+                               generation: str | None = None) -> int:
         try:
+            if generation is not None and self.native_generation_reads:
+                return await self._get_into(key, start, out, generation=generation)
             return await self._get_into(key, start, out)
         except Exception as exc:
             if http_status_of(exc) == 416:  # the range starts past the end of the object

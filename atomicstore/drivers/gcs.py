@@ -148,6 +148,8 @@ class _GCSWriter(BufferedPartWriter):
 class GCSDriver(AsyncFsspecDriver):
     """GCS via gcsfs. Commit strategy: conditional success marker."""
 
+    native_generation_reads = True  # ranged GETs take If-Match / ifGenerationMatch
+
     protocols = ("gs", "gcs")
     capabilities = Capabilities(
         atomic_rename=False,
@@ -275,12 +277,15 @@ class GCSDriver(AsyncFsspecDriver):
         """Delete the components of one parallel composite upload."""
         self.delete_tree(component_prefix(key, upload_id))
 
-    async def _get_into(self, key: str, start: int, out: memoryview) -> int:
-        """A ranged media GET streamed into ``out``."""
+    async def _get_into(self, key: str, start: int, out: memoryview, *, generation: str | None = None) -> int:
+        """A ranged media GET streamed into ``out`` (``ifGenerationMatch`` with
+        ``generation``)."""
         fs = self.fs
         await fs._set_session()
         bucket, obj = self.split(key)
         url = f"{fs._location}/download/storage/v1/b/{quote(bucket)}/o/{gcsfs.core.quote(obj)}?alt=media"
+        if generation is not None:
+            url += f"&ifGenerationMatch={quote(generation)}"
         headers = fs._get_headers({"Range": f"bytes={start}-{start + out.nbytes - 1}"})
         async with fs.session.get(url, headers=headers, timeout=fs.requests_timeout) as r:
             if r.status >= 400:

@@ -380,9 +380,15 @@ class LocalDriver(Driver):
 
         return self._os("read", key, _read)
 
-    def read_into(self, key: str, offset: int, out: memoryview) -> int:
+    def read_into(self, key: str, offset: int, out: memoryview, *, generation: str | None = None) -> int:
         fd = self._os("read", key, os.open, self.path(key), os.O_RDONLY | os.O_CLOEXEC)
         try:
+            if generation is not None and _generation(os.fstat(fd)) != generation:
+                # the descriptor pins the file it opened: checked once, read from it
+                raise PreconditionFailedError(
+                    f"{self.describe(key)} was replaced since it was looked at (generation "
+                    f"{generation}): read it again"
+                )
             done = 0
             while done < out.nbytes:
                 n = os.preadv(fd, [out[done:]], offset + done)

@@ -165,6 +165,8 @@ class _S3Writer(BufferedPartWriter):
 class S3Driver(AsyncFsspecDriver):
     """S3 via s3fs. Commit strategy: conditional success marker."""
 
+    native_generation_reads = True  # ranged GETs take If-Match / ifGenerationMatch
+
     protocols = ("s3", "s3a")
     capabilities = Capabilities(
         atomic_rename=False,
@@ -276,9 +278,11 @@ class S3Driver(AsyncFsspecDriver):
 
         return get()
 
-    async def _get_into(self, key: str, start: int, out: memoryview) -> int:
+    async def _get_into(self, key: str, start: int, out: memoryview, *, generation: str | None = None) -> int:
         bucket, obj = self.split(key)
-        resp = await self.s3call("get_object", Bucket=bucket, Key=obj, Range=f"bytes={start}-{start + out.nbytes - 1}")
+        cond = {"IfMatch": generation} if generation is not None else {}
+        resp = await self.s3call("get_object", Bucket=bucket, Key=obj,
+                                 Range=f"bytes={start}-{start + out.nbytes - 1}", **cond)
         pos = 0
         async with resp["Body"] as body:
             while pos < out.nbytes:
@@ -290,6 +294,8 @@ class S3Driver(AsyncFsspecDriver):
 
     def list_incomplete_uploads(self, prefix: str = "") -> list[tuple[str, str, float]]:
         bucket, obj = self.split(prefix)
+        if not prefix and obj:
+            obj += "/"  # the store's own keys: not those of a sibling root ``<root>2/...``
         out: list[tuple[str, str, float]] = []
         kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": obj}
         while True:
@@ -306,12 +312,17 @@ class S3Driver(AsyncFsspecDriver):
             kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
 
     def abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort one unfinished multipart upload; one that is gone already (completed or
+        aborted meanwhile, e.g. by a concurrent recovery: ``NoSuchUpload``) is not an error."""
         bucket, obj = self.split(key)
-        self.call(
-            "abort upload",
-            key,
-            lambda: self.s3call("abort_multipart_upload", Bucket=bucket, Key=obj, UploadId=upload_id),
-        )
+        try:
+            self.call(
+                "abort upload",
+                key,
+                lambda: self.s3call("abort_multipart_upload", Bucket=bucket, Key=obj, UploadId=upload_id),
+            )
+        except NotFoundError:
+            pass
 
     async def _list_page(
         self, prefix_path: str, delimiter: str, token: str | None

@@ -140,7 +140,7 @@ class _Reader:
         for lf in sorted(leaves, key=lambda lf: lf.ranges[0][0] if lf.ranges else -1):
             if lf.kind == "lit":
                 out[lf.path] = lf.value
-            elif lf.kind in ("nd", "ndc") and lf.nbytes >= SMALL_LEAF:
+            elif lf.kind == "ndc" or (lf.kind == "nd" and lf.nbytes >= SMALL_LEAF):  # (ndc: several ranges)
                 jobs.append(big(lf))
             else:
                 if batch and (lf.ranges[0][0] - (batch[-1].ranges[0][0] + batch[-1].ranges[0][1]) > 65536
@@ -327,12 +327,15 @@ def restore(
         store_, name = st
         drv = store_.driver
         where = drv.describe(name)
-        size = drv.info(name).size
+        found = drv.info(name)
+        size = found.size
 
         def read_into(off: int, mv: memoryview) -> None:
             if off + mv.nbytes > size:
                 raise CorruptionError(f"{where}: read past the end", path=where)
-            if mv.nbytes and drv.read_into(name, off, mv) != mv.nbytes:
+            # a one-file checkpoint is replaced in place: every range from the version whose
+            # size we read (else PreconditionFailedError: read it again), never a mix
+            if mv.nbytes and drv.read_into(name, off, mv, generation=found.generation) != mv.nbytes:
                 raise CorruptionError(f"{where}: short read at byte {off}", path=where)
 
         def read(a: int, b: int) -> bytes:

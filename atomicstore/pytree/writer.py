@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 
 from ..commit import Manifest, Store, Transaction, open_store
-from ..commit.manifest import crc32c
+from ..commit.manifest import crc32c, crc32c_combine
 from ..errors import InvalidArgumentError
 from . import msgpack_io as mp
 from .coordination import DEFAULT_TIMEOUT, Session, check_timeout, coordinated_save
@@ -113,35 +113,94 @@ def _to_numpy(path: Path, x: Any, opts: _SaveOptions) -> Any:
                 "process is not part of a jax.distributed job (call jax.distributed.initialize)"
             )
         x = np.asarray(x)
-    if opts.cast_dtype is not None and isinstance(x, np.ndarray | np.generic) and np.issubdtype(x.dtype, np.floating):
-        x = np.asarray(x).astype(opts.cast_dtype) if isinstance(x, np.ndarray) else x.astype(opts.cast_dtype)
+    if opts.cast_dtype is not None and isinstance(x, np.generic) and np.issubdtype(x.dtype, np.floating):
+        x = x.astype(opts.cast_dtype)  # (arrays are cast block by block as they are written)
     return x
+
+
+#: a leaf that must be converted to be written (cast, or made C-contiguous) is converted
+#: in pieces of about this many bytes, so the extra memory does not grow with the leaf
+CONVERT_BLOCK = 8 << 20
+
+
+def _c_order_blocks(arr: np.ndarray, dtype: np.dtype, block: int = CONVERT_BLOCK) -> Any:
+    """``arr`` converted to ``dtype``, in C order, as consecutive C-contiguous arrays of
+    about ``block`` bytes each (slices along the leading axes; none is a whole copy of a
+    large leaf)."""
+    row = arr.size // arr.shape[0] * dtype.itemsize if arr.ndim and arr.shape[0] else 0
+    if arr.ndim == 0 or arr.size * dtype.itemsize <= block or row == 0:
+        yield np.ascontiguousarray(arr, dtype=dtype)
+        return
+    if row > block:  # one row is too big already: go down a level
+        for i in range(arr.shape[0]):
+            yield from _c_order_blocks(arr[i], dtype, block)
+        return
+    per = block // row
+    for i in range(0, arr.shape[0], per):
+        yield np.ascontiguousarray(arr[i : i + per], dtype=dtype)
 
 
 _HEADS: dict[tuple[Any, tuple[int, ...], int], tuple[bytes, str]] = {}
 
 
-def _array_head(arr: np.ndarray, code: int) -> tuple[bytes, str]:
-    """(ext header + ndarray tuple header up to the data, dtype name), cached per dtype
-    and shape: leaves of one model share a handful of them."""
-    key = (arr.dtype, arr.shape, code)
+def _array_head(arr: np.ndarray, code: int, dtype: np.dtype | None = None) -> tuple[bytes, str]:
+    """(ext header + ndarray tuple header up to the data, dtype name) of ``arr`` (as
+    ``dtype``, if given), cached per dtype and shape: leaves of one model share a handful
+    of them."""
+    return _head_for(arr.dtype if dtype is None else dtype, arr.shape, code)
+
+
+def _head_for(dt: np.dtype, shape: tuple[int, ...], code: int) -> tuple[bytes, str]:
+    key = (dt, shape, code)
     hit = _HEADS.get(key)
     if hit is None:
-        name = arr.dtype.name
-        head = mp.array_header(3) + mp.pack(list(arr.shape)) + mp.pack(name) + mp.bin_header(arr.nbytes)
-        hit = (mp.ext_header(code, len(head) + arr.nbytes) + head, name)
+        name = dt.name
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        head = mp.array_header(3) + mp.pack(list(shape)) + mp.pack(name) + mp.bin_header(nbytes)
+        hit = (mp.ext_header(code, len(head) + nbytes) + head, name)
         if len(_HEADS) < 4096:
             _HEADS[key] = hit
     return hit
 
 
-def _ndarray_ext(em: _Emitter, arr: np.ndarray, code: int, lend: bool = False) -> tuple[int, int, int, str]:
-    """Write ``arr`` as flax's ndarray ext; return (data offset, nbytes, crc32c, dtype name).
-    ``lend``: ``arr`` is (a view of) a leaf of the tree, not a temporary: its buffer may be
-    uploaded from as is."""
-    if not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr)  # (keeps 0-d arrays 0-d, unlike calling it always)
-        lend = False  # a temporary: lending it would keep it alive while its parts fly
+def _emit_pieces(em: _Emitter, pieces: Any, nbytes: int) -> int:
+    """Write ``nbytes`` bytes taken from the front of ``pieces`` (a list of C-contiguous
+    arrays or memoryviews, consumed in place; a piece that goes past ``nbytes`` is split
+    and its rest left first); their CRC32C."""
+    crc = 0
+    while nbytes:
+        data = bytes_view(pieces[0]) if not isinstance(pieces[0], memoryview) else pieces[0]
+        if data.nbytes > nbytes:
+            data, pieces[0] = data[:nbytes], data[nbytes:]
+        else:
+            pieces.pop(0)
+        if data.nbytes < 65536:
+            raw = data.tobytes()
+            em.small(raw)
+            part = google_crc32c.value(raw)
+        else:
+            part = crc32c(data)
+            em.big(data, part)  # a temporary: copied (not lent) by the writer
+        crc = crc32c_combine(crc, part, data.nbytes)
+        nbytes -= data.nbytes
+    return crc
+
+
+def _ndarray_ext(em: _Emitter, arr: np.ndarray, code: int, lend: bool = False,
+                 dtype: np.dtype | None = None) -> tuple[int, int, int, str]:
+    """Write ``arr`` (cast to ``dtype``, if given) as flax's ndarray ext; return (data
+    offset, nbytes, crc32c, dtype name). ``lend``: ``arr`` is (a view of) a leaf of the
+    tree, not a temporary: its buffer may be uploaded from as is."""
+    if (dtype is not None and dtype != arr.dtype) or not arr.flags.c_contiguous:
+        dt = arr.dtype if dtype is None else dtype
+        head, name = _array_head(arr, code, dt)
+        em.small(head)
+        off, n = em.offset, arr.size * dt.itemsize
+        # converted piece by piece: no whole converted copy of the leaf at any time
+        crc = 0
+        for piece in _c_order_blocks(arr, dt):
+            crc = crc32c_combine(crc, _emit_pieces(em, [piece], piece.nbytes), piece.nbytes)
+        return off, n, crc, name
     head, name = _array_head(arr, code)
     em.small(head)
     off = em.offset
@@ -209,11 +268,14 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list, opts: _SaveOpt
     x = _to_numpy(path, node, opts)
     if isinstance(x, np.ndarray):
         _check_array(path, x)
-        own = x is node  # the tree's own array (not a converted or cast temporary)
-        if x.nbytes > FLAX_MAX_CHUNK:
-            _write_chunked(em, x, path, index, own)
+        cast = opts.cast_dtype
+        if cast is None or cast == x.dtype or not np.issubdtype(x.dtype, np.floating):
+            cast = None
+        own = x is node and cast is None  # the tree's own array (not a converted temporary)
+        if x.size * (cast or x.dtype).itemsize > FLAX_MAX_CHUNK:
+            _write_chunked(em, x, path, index, own, cast)
             return
-        off, n, crc, name = _ndarray_ext(em, x, EXT_NDARRAY, own)
+        off, n, crc, name = _ndarray_ext(em, x, EXT_NDARRAY, own, cast)
         index.append([1, list(path), "nd", name, list(x.shape), off, n, crc])
     elif isinstance(x, np.generic):
         arr = np.asarray(x)
@@ -239,21 +301,35 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list, opts: _SaveOpt
         )
 
 
-def _write_chunked(em: _Emitter, arr: np.ndarray, path: Path, index: list, own: bool = False) -> None:
-    """flax's chunked-array convention for arrays over 1 GiB."""
-    own = own and arr.flags.c_contiguous  # else ``flat`` is a temporary copy
-    flat = np.ascontiguousarray(arr).reshape(-1)
-    per = max(1, FLAX_MAX_CHUNK // arr.dtype.itemsize)
-    starts = list(range(0, flat.size, per))
+def _write_chunked(em: _Emitter, arr: np.ndarray, path: Path, index: list[list[Any]], own: bool = False,
+                   dtype: np.dtype | None = None) -> None:
+    """flax's chunked-array convention for arrays over 1 GiB (as ``dtype``, if given: cast
+    and, for a non-contiguous array, reordered piece by piece, never as a whole copy)."""
+    dt = arr.dtype if dtype is None else dtype
+    per = max(1, FLAX_MAX_CHUNK // dt.itemsize)
+    starts = list(range(0, arr.size, per))
     em.small(mp.map_header(3) + mp.pack("__msgpack_chunked_array__") + mp.pack(True) + mp.pack("shape"))
     em.small(mp.map_header(arr.ndim) + b"".join(mp.pack(str(i)) + mp.pack(d) for i, d in enumerate(arr.shape)))
     em.small(mp.pack("chunks") + mp.map_header(len(starts)))
     chunks = []
-    for i, s in enumerate(starts):
-        em.small(mp.pack(str(i)))
-        off, n, crc, _ = _ndarray_ext(em, flat[s : s + per], EXT_NDARRAY, own)
-        chunks.append([off, n, crc])
-    index.append([1, list(path), "ndc", arr.dtype.name, list(arr.shape), chunks])
+    if arr.flags.c_contiguous:
+        flat = arr.reshape(-1)  # a view
+        for i, s in enumerate(starts):
+            em.small(mp.pack(str(i)))
+            off, n, crc, _ = _ndarray_ext(em, flat[s : s + per], EXT_NDARRAY, own, dtype)
+            chunks.append([off, n, crc])
+    else:
+        blocks = _c_order_blocks(arr, dt)
+        pending: list[Any] = []
+        for i, s in enumerate(starts):
+            count = min(per, arr.size - s)
+            em.small(mp.pack(str(i)) + _head_for(dt, (count,), EXT_NDARRAY)[0])
+            off, want = em.offset, count * dt.itemsize
+            while sum(bytes_view(p).nbytes if not isinstance(p, memoryview) else p.nbytes
+                      for p in pending) < want:
+                pending.append(next(blocks))
+            chunks.append([off, want, _emit_pieces(em, pending, want)])
+    index.append([1, list(path), "ndc", dt.name, list(arr.shape), chunks])
 
 
 def _progress_printer(total: int) -> Callable[[int], None]:
@@ -272,9 +348,14 @@ def _cast_dtype(cast_dtype: Any) -> np.dtype | None:
     if cast_dtype is None:
         return None
     try:
-        return np.dtype(cast_dtype)
-    except TypeError as exc:
-        raise InvalidArgumentError(f"cast_dtype: {exc}") from None
+        import ml_dtypes  # noqa: F401 - registers "bfloat16", "float8_*"... (imported lazily)
+    except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+        pass
+    try:
+        dt: np.dtype = np.dtype(cast_dtype)
+    except (TypeError, ValueError, SyntaxError) as exc:
+        raise InvalidArgumentError(f"cast_dtype: {cast_dtype!r} is not a dtype ({exc})") from None
+    return dt
 
 
 class StateWriter:
