@@ -158,3 +158,78 @@ def test_commit_layer_never_imports_jax():
     code = "import sys, atomicstore, atomicstore.commit, atomicstore.drivers.s3; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_local_save_needs_no_fsspec(tmp_path):
+    """The local driver calls the OS itself: a first local save does not pay for importing
+    fsspec (its entry-point scan alone was 10-20 ms of a small save); asked for, the
+    filesystem is still there."""
+    code = textwrap.dedent(f"""
+        import sys, numpy as np, atomicstore
+        atomicstore.save({str(tmp_path / "s")!r} + "/a", {{"x": np.arange(3)}})
+        assert (atomicstore.restore({str(tmp_path / "s")!r} + "/a")["x"] == np.arange(3)).all()
+        print("fsspec" in sys.modules)
+        st = atomicstore.open_store({str(tmp_path / "s")!r})
+        print(type(st.driver.fs).__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "LocalFileSystem"], out.stderr
+
+
+def test_local_abort_waits_for_a_background_fsync(tmp_path, monkeypatch):
+    """A file closed with ``wait=False`` is fsynced in a background thread; aborting it
+    meanwhile must not close the descriptor under that fsync (a reused descriptor number
+    would then be fsynced and closed instead) and must remove the file."""
+    import threading
+
+    from atomicstore.drivers.local import LocalDriver
+
+    d = LocalDriver.from_url("file", str(tmp_path), {})
+    w = d.open_writer("f.bin")
+    w.write(b"x" * 100)
+    entered, go = threading.Event(), threading.Event()
+    real_fsync, fds = os.fsync, []
+
+    def slow_fsync(fd):  # the scheduler: holds the background fsync until told
+        fds.append(fd)
+        entered.set()
+        assert go.wait(30)
+        real_fsync(fd)  # raises EBADF if the descriptor was closed meanwhile
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    fut = w.close_async()
+    assert entered.wait(30)
+    aborted = threading.Thread(target=w.abort)
+    aborted.start()
+    aborted.join(0.3)
+    assert aborted.is_alive(), "abort returned while the fsync was still running"
+    go.set()
+    aborted.join(30)
+    assert fut.result(timeout=30) is None  # the fsync itself succeeded on its own descriptor
+    assert not (tmp_path / "f.bin").exists()
+
+
+def test_local_saves_work_in_a_forked_child(tmp_path):
+    """The background threads (fsync pool, renameat2 probe) of the parent do not exist in
+    a forked child: a save there must make its own instead of waiting forever."""
+    code = textwrap.dedent(f"""
+        import os, sys, numpy as np, atomicstore
+        root = {str(tmp_path)!r}
+        atomicstore.save(root + "/p/a", {{"x": np.arange(3)}})  # the pool exists now
+        st = atomicstore.open_store(root + "/q")  # a store opened right before the fork
+        pid = os.fork()
+        if pid == 0:
+            try:
+                atomicstore.save(root + "/p/b", {{"x": np.arange(4)}})
+                atomicstore.save(root + "/q/b", {{"x": np.arange(5)}}, store=st)
+                os._exit(0)
+            except BaseException as exc:
+                print(repr(exc), flush=True)
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split()[-1:] == ["0"], out.stdout + out.stderr
+    assert atomicstore.restore(str(tmp_path / "p" / "b"))["x"].tolist() == [0, 1, 2, 3]
+    assert atomicstore.restore(str(tmp_path / "q" / "b"))["x"].tolist() == [0, 1, 2, 3, 4]

@@ -14,10 +14,12 @@ import asyncio
 import bisect
 import collections
 import concurrent.futures
+import concurrent.futures.thread  # (lazily imported by the package: not in a first save)
 import contextlib
 import io
 import itertools
 import logging
+import os
 import re
 import threading
 from abc import ABC, abstractmethod
@@ -187,13 +189,21 @@ class Driver(ABC):
             raise InvalidArgumentError("max_inflight_bytes must be an int of at least 1 MiB")
         #: bytes of requests in flight at once on this store (object stores)
         self.max_inflight_bytes = max_inflight_bytes or DEFAULT_MAX_INFLIGHT_BYTES
-        self.fs = fs
+        self._fs = fs
         self.root = root.rstrip("/")
         self.url = url
         self.retry = retry or RetryPolicy()
         self.operation_timeout = operation_timeout
         self.block_size = block_size
         self._secrets = tuple(s for s in secrets if s)
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem underneath (made on first use where the driver was
+        given none: the local driver calls the OS directly and never needs it)."""
+        if self._fs is None:
+            self._fs = self.make_filesystem(self.protocols[0], {})
+        return self._fs
 
     @classmethod
     def from_url(
@@ -451,13 +461,23 @@ _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_GUARD = threading.Lock()
 
 
-def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
+def background_pool() -> concurrent.futures.ThreadPoolExecutor:
     """Threads for :meth:`AsyncFsspecDriver.background` (each waits on one request)."""
     global _POOL
     with _POOL_GUARD:
         if _POOL is None:
             _POOL = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="atomicstore-bg")
         return _POOL
+
+
+def _forget_pool() -> None:
+    """In a forked child the parent's pool threads do not exist: work submitted to it
+    would never run. The child makes its own."""
+    global _POOL
+    _POOL = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 _PROCESS_LOCKS: dict[str, threading.Lock] = {}
@@ -961,7 +981,7 @@ class AsyncFsspecDriver(Driver):
         return super().scan(prefix, delimiter)
 
     def background(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        return _background_pool().submit(fn)
+        return background_pool().submit(fn)
 
     def split(self, key: str) -> tuple[str, str]:
         """(bucket, object name) of ``key``."""

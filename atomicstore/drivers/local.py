@@ -8,6 +8,7 @@ fsynced: files are fsynced on close, directories through :meth:`fsync_dir`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import errno
@@ -17,8 +18,8 @@ import posixpath
 import shutil
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import IO, Any, TypeVar
 
 from ..errors import (
     AlreadyExistsError,
@@ -28,7 +29,9 @@ from ..errors import (
     StorageError,
     StorageTimeoutError,
 )
-from .base import Capabilities, Driver, Entry, FileInfo, Writer
+from .base import Capabilities, Driver, Entry, FileInfo, Writer, background_pool
+
+_T = TypeVar("_T")
 
 #: the store's lock file (kept: recovery never removes it; see :meth:`LocalDriver.lock`)
 LOCK_KEY = ".atomicstore/lock"
@@ -63,7 +66,51 @@ def _renameat2_call(a: str, b: str, flags: int) -> int:
     return ctypes.get_errno()
 
 
-_PROBED: dict[int, tuple[bool, bool]] = {}
+#: per filesystem (``st_dev``) and process: the probe's answer, found in the background
+_PROBED: dict[int, concurrent.futures.Future[tuple[bool, bool]]] = {}
+_PROBE_LOCK = threading.Lock()
+
+
+def _probe_in_background(root: str) -> concurrent.futures.Future[tuple[bool, bool]]:
+    """:func:`probe_renameat2` of ``root``'s filesystem, once per filesystem and process,
+    run in a thread: its mkdir/rename/rmdir round trips overlap the first save's data
+    (nothing is renamed before the answer is in). A store that cannot be written to
+    (read-only) answers (False, False): nothing will be renamed there."""
+    try:
+        dev = os.stat(root).st_dev
+    except OSError:
+        dev = None
+    with _PROBE_LOCK:
+        fut = _PROBED.get(dev) if dev is not None else None
+        if fut is not None:
+            return fut
+        fut = concurrent.futures.Future()
+        if dev is not None:
+            _PROBED[dev] = fut
+
+    def run() -> None:
+        try:
+            fut.set_result(probe_renameat2(root))
+        except OSError:
+            with _PROBE_LOCK:  # not an answer for the filesystem: another store asks again
+                if dev is not None and _PROBED.get(dev) is fut:
+                    del _PROBED[dev]
+            fut.set_result((False, False))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for it
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name="atomicstore-renameat2-probe", daemon=True).start()
+    return fut
+
+
+def _forget_pending_probes() -> None:
+    """In a forked child: a probe still running in the parent never finishes here."""
+    for dev, fut in list(_PROBED.items()):
+        if not fut.done():
+            del _PROBED[dev]
+
+
+os.register_at_fork(after_in_child=_forget_pending_probes)
 
 
 def probe_renameat2(directory: str) -> tuple[bool, bool]:
@@ -130,6 +177,7 @@ class _LocalWriter(Writer):
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        self._closing: concurrent.futures.Future[None] | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         mv = memoryview(data).cast("B")
@@ -147,7 +195,18 @@ class _LocalWriter(Writer):
             os.close(self.fd)
             self.fd = -1
 
+    def close_async(self) -> concurrent.futures.Future[None]:
+        """The fsync runs in a background thread: the caller writes its next file (and
+        the next file's fsync runs) meanwhile; the transaction waits for every one before
+        its manifest and rename, so the order of what becomes durable is unchanged."""
+        if self.fd < 0 or not self.durable:
+            return super().close_async()
+        self._closing = background_pool().submit(self.close)
+        return self._closing
+
     def abort(self) -> None:
+        if self._closing is not None:  # never close the descriptor under a running fsync
+            concurrent.futures.wait([self._closing])
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -216,25 +275,42 @@ class LocalDriver(Driver):
     def __init__(self, fs: Any, root: str, **kwargs: Any) -> None:
         super().__init__(fs, root, **kwargs)
         self._lock_depth = threading.local()
-        #: whether a whole directory can replace another atomically (RENAME_EXCHANGE)
+        self._flags: tuple[bool, bool] | None = None
         if os.environ.get("ATOMICSTORE_LOCAL_RENAMEAT2", "").lower() == "none":
-            self.has_noreplace, self.has_exchange = False, False
+            self._flags = (False, False)
+            self._probe = None
         else:
-            try:
-                dev = os.stat(root).st_dev
-                if dev not in _PROBED:  # once per filesystem and process
-                    _PROBED[dev] = probe_renameat2(root)
-                self.has_noreplace, self.has_exchange = _PROBED[dev]
-            except OSError:  # a read-only store: nothing will be renamed
-                self.has_noreplace, self.has_exchange = False, False
-        self.replaces_directories = self.has_exchange
+            self._probe = _probe_in_background(root)
+        self._probe_pid = os.getpid()
+
+    def _renameat2_flags(self) -> tuple[bool, bool]:
+        if self._flags is None:
+            assert self._probe is not None
+            if not self._probe.done() and os.getpid() != self._probe_pid:
+                # forked while the parent's probe ran: its thread does not exist here
+                self._probe, self._probe_pid = _probe_in_background(self.root), os.getpid()
+            self._flags = self._probe.result()
+        return self._flags
+
+    @property
+    def has_noreplace(self) -> bool:
+        """Whether the filesystem honours ``renameat2(RENAME_NOREPLACE)``."""
+        return self._renameat2_flags()[0]
+
+    @property
+    def has_exchange(self) -> bool:
+        """Whether the filesystem honours ``renameat2(RENAME_EXCHANGE)``."""
+        return self._renameat2_flags()[1]
+
+    @property
+    def replaces_directories(self) -> bool:  # type: ignore[override]
+        """Whether a whole directory can replace another atomically (RENAME_EXCHANGE)."""
+        return self.has_exchange
 
     @classmethod
     def from_url(
         cls, protocol: str, path: str, storage_options: dict[str, Any], **kwargs: Any
     ) -> Driver:
-        from fsspec.implementations.local import LocalFileSystem
-
         if storage_options:
             raise InvalidArgumentError(
                 f"local paths take no storage options (got {sorted(storage_options)})"
@@ -244,7 +320,7 @@ class LocalDriver(Driver):
             raise InvalidArgumentError(f"{root} exists and is not a directory")
         created = not os.path.exists(root)
         os.makedirs(root, exist_ok=True)
-        drv = cls(LocalFileSystem(), root, url=root, **kwargs)
+        drv = cls(None, root, url=root, **kwargs)  # fsspec's LocalFileSystem only if asked for
         if created:
             drv._fsync_path(os.path.dirname(root))
         return drv
@@ -259,7 +335,7 @@ class LocalDriver(Driver):
         finally:
             os.close(fd)
 
-    def _os(self, op: str, key: str, fn: Any, *args: Any) -> Any:
+    def _os(self, op: str, key: str, fn: Callable[..., _T], *args: Any) -> _T:
         try:
             return fn(*args)
         except FileNotFoundError as exc:
@@ -401,7 +477,7 @@ class LocalDriver(Driver):
 
     def iter_read(self, key: str, chunk_size: int | None = None) -> Iterator[bytes]:
         chunk = chunk_size or self.block_size
-        f = self._os("read", key, open, self.path(key), "rb")
+        f: IO[bytes] = self._os("read", key, open, self.path(key), "rb")
         with f:
             while True:
                 data = f.read(chunk)

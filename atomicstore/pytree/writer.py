@@ -445,7 +445,13 @@ class PreparedSave:
                                "nodes": nodes}
         if shards:
             doc["shard_block"] = SHARD_BLOCK
-        txn.write_bytes(INDEX_FILE, msgpack.packb(doc, use_bin_type=True))
+        f = txn.open(INDEX_FILE)
+        try:
+            f.write(msgpack.packb(doc, use_bin_type=True))
+            f.close(wait=False)  # both files' fsyncs (or last parts) finish together
+        except BaseException:
+            f.abort()
+            raise
 
     def run(self, st: Store, name: str, *, overwrite: bool = False, metadata: dict[str, Any] | None = None,
             after: Callable[[], None] | None = None) -> Manifest:
