@@ -6,6 +6,7 @@ behind atomicstore's fault injector (which starts with no faults for every test)
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -13,8 +14,16 @@ from typing import Any
 
 import pytest
 
-import atomicstore
-from atomicstore.testing.servers import FakeGCS, FakeS3
+# gcsfs reads this once, when it is first imported: set before anything imports it. Its
+# experimental subclass asks the GCS control plane (gRPC) for a bucket's layout on e.g.
+# ``makedirs``, and against the fake that RPC is retried for minutes. atomicstore's own
+# driver never uses the subclass, but Orbax's epath (tests/test_integration_orbax.py)
+# makes plain ``fsspec.filesystem("gs")`` instances, which hung on it whenever an earlier
+# test of the same process had imported gcsfs first.
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+
+import atomicstore  # noqa: E402
+from atomicstore.testing.servers import FakeGCS, FakeS3  # noqa: E402
 
 BACKENDS = ["local", "memory", "s3", "gcs"]
 OBJECT_BACKENDS = ["s3", "gcs"]
