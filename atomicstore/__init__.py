@@ -45,6 +45,7 @@ from .manager import CheckpointManager
 from .pytree import restore, save
 from .retry import RetryPolicy
 
+#: the installed release of atomicstore
 __version__ = "0.1.0"
 
 __all__ = [

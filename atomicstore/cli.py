@@ -254,7 +254,7 @@ def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
     return EXIT_OK if all(r["ok"] for r in results) else EXIT_BAD_DATA
 
 
-def _open(url: str, options: dict, *, create: bool = False) -> Store:
+def _open(url: str, options: dict[str, Any], *, create: bool = False) -> Store:
     """open_store, refusing a local directory that does not exist (unless ``create``)."""
     if "://" not in url and not create:
         import os
@@ -264,7 +264,7 @@ def _open(url: str, options: dict, *, create: bool = False) -> Store:
     return open_store(url, **options)
 
 
-def _store_or_checkpoint(url: str, options: dict) -> tuple[Store, list[str]]:
+def _store_or_checkpoint(url: str, options: dict[str, Any]) -> tuple[Store, list[str]]:
     """URL names a checkpoint (``STORE/NAME``) or a store (all its checkpoints)."""
     import os
 

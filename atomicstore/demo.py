@@ -31,11 +31,11 @@ LEASE_TTL = 2.0
 BUFFER = 96 * 2**20 // 4
 
 
-def _model_step(state: dict, x: Any, y: Any) -> tuple[dict, float]:
+def _model_step(state: dict[str, Any], x: Any, y: Any) -> tuple[dict[str, Any], float]:
     import jax
     import jax.numpy as jnp
 
-    def loss_fn(p: dict) -> Any:
+    def loss_fn(p: dict[str, Any]) -> Any:
         return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
 
     loss, g = jax.value_and_grad(loss_fn)(state["params"])
@@ -53,7 +53,7 @@ def _data() -> tuple[Any, Any]:
     return x, x @ true_w + 0.5 + 0.01 * jnp.sin(jnp.arange(256.0))[:, None]
 
 
-def _init() -> dict:
+def _init() -> dict[str, Any]:
     import jax.numpy as jnp
     import numpy as np
 
@@ -61,7 +61,7 @@ def _init() -> dict:
             "buffer": np.full(BUFFER, 0.25, np.float32)}
 
 
-def _train(state: dict, until: int, on_step: Any = None) -> tuple[dict, list[float]]:
+def _train(state: dict[str, Any], until: int, on_step: Any = None) -> tuple[dict[str, Any], list[float]]:
     x, y = _data()
     losses = []
     while state["step"] < until:
@@ -72,14 +72,14 @@ def _train(state: dict, until: int, on_step: Any = None) -> tuple[dict, list[flo
     return state, losses
 
 
-def _child(url: str, options: dict) -> None:
+def _child(url: str, options: dict[str, Any]) -> None:
     """The training run that gets killed."""
     import atomicstore
 
     store = atomicstore.open_store(url, lease_ttl=LEASE_TTL, **options)
     mgr = atomicstore.CheckpointManager(url, keep=3, store=store)
 
-    def on_step(state: dict, loss: float) -> None:
+    def on_step(state: dict[str, Any], loss: float) -> None:
         if state["step"] % EVERY == 0:
             print(f"SAVE {state['step']}", flush=True)
             mgr.save(state["step"], state, metrics={"loss": loss})
@@ -89,7 +89,7 @@ def _child(url: str, options: dict) -> None:
     print("DONE", flush=True)
 
 
-def _start_store(kind: str, directory: str | None) -> tuple[str, dict, Any]:
+def _start_store(kind: str, directory: str | None) -> tuple[str, dict[str, Any], Any]:
     if kind == "local":
         d = directory or tempfile.mkdtemp(prefix="atomicstore-demo-")
         return os.path.join(d, "run"), {}, None

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -56,7 +56,7 @@ def check_step(step: Any) -> Step:
     step = step.item() if isinstance(step, np.generic) else step
     if isinstance(step, float) and not np.isfinite(step):
         raise InvalidArgumentError(f"step must be finite, got {step}")
-    return step
+    return cast(Step, step)
 
 
 def check_retention(prefix: Any, keep: Any = 1, keep_every_n_steps: Any = None) -> None:
@@ -170,6 +170,7 @@ class CheckpointManager:
         return sorted(steps, key=lambda s: natural_key(str(s)))
 
     def latest_step(self) -> Step | None:
+        """The last committed step in natural order, or None when there is none."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
@@ -266,7 +267,7 @@ class CheckpointManager:
         that removing them later removes only those, never one saved since."""
         return {s: self.store.strategy.current(self._name(s)) for s in steps}
 
-    def _background(self, step: Step, job: PreparedSave, meta: dict, newer: dict[Step, str | None]) -> None:
+    def _background(self, step: Step, job: PreparedSave, meta: dict[str, Any], newer: dict[Step, str | None]) -> None:
         try:
             self._save_now(step, job, meta, newer)
         except BaseException as exc:  # noqa: BLE001 - kept and raised on the next call
@@ -276,7 +277,7 @@ class CheckpointManager:
         finally:
             self._slots.release()
 
-    def _save_now(self, step: Step, job: PreparedSave, meta: dict, newer: dict[Step, str | None]) -> None:
+    def _save_now(self, step: Step, job: PreparedSave, meta: dict[str, Any], newer: dict[Step, str | None]) -> None:
         t0 = time.monotonic()
 
         def after() -> None:  # process 0, once committed

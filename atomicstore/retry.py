@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import tenacity
 
@@ -39,7 +40,7 @@ class RetryPolicy:
         if self.deadline is not None and self.deadline <= 0:
             raise ValueError("RetryPolicy.deadline must be > 0 or None")
 
-    def _kwargs(self, is_transient: Callable[[BaseException], bool]) -> dict:
+    def _kwargs(self, is_transient: Callable[[BaseException], bool]) -> dict[str, Any]:
         stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(self.attempts)
         if self.deadline is not None:
             stop = stop | tenacity.stop_after_delay(self.deadline)

@@ -69,14 +69,16 @@ def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     Accepts any C-contiguous buffer (bytes, bytearray, memoryview, numpy array).
     """
     if type(data) is bytes:
-        return google_crc32c.extend(value, data)
+        crc: int = google_crc32c.extend(value, data)
+        return crc
     mv = memoryview(data)
     if mv.nbytes == 0:
         return value
     if _extend is not None and mv.c_contiguous:
         arr = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
         return int(_extend(value, arr.ctypes.data, arr.nbytes))
-    return google_crc32c.extend(value, mv.tobytes())
+    crc = google_crc32c.extend(value, mv.tobytes())
+    return crc
 
 
 def _gf2_times(mat: list[int], vec: int) -> int:
@@ -179,9 +181,11 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        """The sum of the files' sizes."""
         return sum(f.size for f in self.files.values())
 
     def to_bytes(self) -> bytes:
+        """The manifest as the JSON document stored in ``manifest.json`` (CRC32Cs in hex)."""
         doc = {
             "format": MANIFEST_FORMAT,
             "name": self.name,
@@ -198,6 +202,8 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
+        """Parse a ``manifest.json`` document; anything malformed or oversized raises
+        :class:`~atomicstore.CorruptionError` naming ``where``."""
         doc = _load_json(data, where=where, limit=MAX_MANIFEST_BYTES, fmt=MANIFEST_FORMAT)
         try:
             files_raw = doc["files"]

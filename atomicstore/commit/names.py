@@ -65,7 +65,7 @@ def validate_path(path: object, *, what: str = "file path", allow_reserved: bool
 FLOAT_RE = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)")
 
 
-def natural_key(name: str) -> tuple:
+def natural_key(name: str) -> tuple[tuple[int, float | str], ...]:
     """Sort key that orders embedded numbers by value (``1e1`` after ``9``, ``-0.2``
     before ``0.1``), as flax's ``natural_sort`` does."""
     parts = FLOAT_RE.split(name)

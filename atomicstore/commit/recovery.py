@@ -34,6 +34,7 @@ from .names import MANIFEST_FILE, MARKER_FILE, RESERVED_DIR
 from .strategies import ATTEMPT_PREFIX, STAGING, TRASH, MarkerStrategy, RenameStrategy
 
 if TYPE_CHECKING:
+    from ..drivers.base import FileInfo
     from .store import Store
 
 log = logging.getLogger("atomicstore.recovery")
@@ -71,6 +72,8 @@ class RecoveryReport:
         return bool(self.actions)
 
     def summary(self) -> str:
+        """A readable report: one line of counts, then a line per action and per save in
+        flight."""
         verb = "would remove" if self.dry_run else "removed"
         lines = [f"recovery {verb} {len(self.actions)} item(s); {len(self.committed)} committed checkpoint(s) untouched; "
                  f"{len(self.in_flight)} save(s) in flight left alone"]
@@ -88,7 +91,7 @@ class _Attempt:
     newest: float = 0.0
 
 
-def _flax_leftovers(listing: dict, tops: set[str], prefix: str) -> dict[str, float]:
+def _flax_leftovers(listing: dict[str, FileInfo], tops: set[str], prefix: str) -> dict[str, float]:
     """Top-level entries of flax's legacy layout that are provably uncommitted, with the
     newest modification time of their contents: ``<prefix>tmp`` and ``<prefix>tmp_gda``
     (staging of flax's two-rename commit), and ``<prefix><step>_gda`` whose
@@ -378,7 +381,7 @@ class _Recovery:
             if not self.dry_run:
                 self.d.abort_upload(key, upload_id)
 
-    def flax(self, listing: dict, prefix: str) -> None:
+    def flax(self, listing: dict[str, FileInfo], prefix: str) -> None:
         """flax's own leftovers: ``<prefix>tmp``/``<prefix>tmp_gda`` staging, and
         ``<prefix><step>_gda`` whose main file does not exist, re-checked afresh (main
         file absent, no live lease of the step or its ``_gda``) right before removal."""

@@ -54,6 +54,7 @@ class CheckedReader(io.RawIOBase):
         self._eof = False
 
     def readable(self) -> bool:
+        """Always True (a read-only stream)."""
         return True
 
     def _next(self) -> bool:
@@ -71,6 +72,8 @@ class CheckedReader(io.RawIOBase):
         return False
 
     def readinto(self, b: Any) -> int:
+        """Read up to ``len(b)`` bytes into ``b``; 0 at the end of the file, where the size
+        and CRC32C are checked."""
         out = memoryview(b).cast("B")
         if not len(self._buf) and not self._next():
             return 0
@@ -80,6 +83,7 @@ class CheckedReader(io.RawIOBase):
         return n
 
     def readall(self) -> bytes:
+        """The rest of the file, its size and CRC32C checked."""
         parts = [bytes(self._buf)]
         self._buf = memoryview(b"")
         while self._next():
@@ -99,10 +103,12 @@ class Checkpoint:
 
     @property
     def files(self) -> dict[str, FileEntry]:
+        """The checkpoint's files (paths relative to it), each with its size and CRC32C."""
         return self.manifest.files
 
     @property
     def metadata(self) -> dict[str, Any]:
+        """The metadata given to the transaction that committed the checkpoint."""
         return self.manifest.metadata
 
     def _entry(self, path: str) -> FileEntry:
@@ -113,6 +119,7 @@ class Checkpoint:
             raise NotFoundError(f"{self.where(path)}: no such file in checkpoint") from None
 
     def where(self, path: str) -> str:
+        """``path`` of this checkpoint as a URL, for messages (never with credentials)."""
         return self.store.driver.describe(f"{self.name}/{path}")
 
     def key(self, path: str) -> str:
@@ -243,6 +250,7 @@ class Store:
 
     @property
     def url(self) -> str:
+        """The store's root as a URL (never with credentials)."""
         return self.driver.url
 
     # -- writing ------------------------------------------------------------------------
@@ -336,6 +344,8 @@ class Store:
         return Checkpoint(self, name, prefix, manifest)
 
     def manifest(self, name: str) -> Manifest:
+        """The manifest of committed checkpoint ``name``: its files with their sizes and
+        CRC32C, and its metadata."""
         return self.open(name).manifest
 
     def read_bytes(self, name: str, path: str) -> bytes:
@@ -393,6 +403,7 @@ class Store:
                        now=now, flax_prefix=flax_prefix)
 
     def close(self) -> None:
+        """Release the driver's resources; leaving a ``with`` block does it too."""
         self.driver.close()
 
     def __enter__(self) -> Store:

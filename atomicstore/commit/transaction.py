@@ -79,6 +79,7 @@ class TransactionFile:
 
     @property
     def bytes_written(self) -> int:
+        """Bytes written to this file so far."""
         return self._hash.size
 
     def close(self, *, wait: bool = True) -> None:
@@ -100,6 +101,8 @@ class TransactionFile:
             self._txn._file_done(self.path, entry, self._writer, done)
 
     def abort(self) -> None:
+        """Discard this file's bytes, best effort (leaving a ``with`` block on an error does
+        it). The transaction can then no longer commit: abort it too. No-op once closed."""
         if not self.closed:
             self.closed = True
             self._writer.abort()
@@ -324,6 +327,7 @@ class Transaction:
 
     @property
     def committed(self) -> bool:
+        """True once :meth:`commit` has made the checkpoint visible."""
         return self._state is _State.COMMITTED
 
     def __enter__(self) -> Transaction:

@@ -136,7 +136,7 @@ def _float_dtype(float_dtype: Any) -> np.dtype | None:
             raise InvalidArgumentError(f"float_dtype {float_dtype!r} is not one of {sorted(FLOAT_DTYPE_NAMES)}")
         return FLOAT_DTYPE_NAMES[float_dtype]
     try:
-        dt = np.dtype(float_dtype)
+        dt: np.dtype = np.dtype(float_dtype)
     except (TypeError, ValueError):
         raise InvalidArgumentError(f"float_dtype {float_dtype!r} is not a dtype") from None
     if not (dt.kind in "biufc" or dt.type.__module__ == "ml_dtypes") or dt.fields is not None:
@@ -164,7 +164,7 @@ def _flax() -> Any:
     return flax
 
 
-def _state_dict(tree: Any, what: str, fl: Any, *, keep_empty: bool = False) -> dict[tuple, Any]:
+def _state_dict(tree: Any, what: str, fl: Any, *, keep_empty: bool = False) -> dict[KeyPath, Any]:
     """``flatten_dict(to_state_dict(tree))``, as fjformer computes it, checked."""
     try:
         sd = fl.serialization.to_state_dict(tree)
@@ -174,7 +174,7 @@ def _state_dict(tree: Any, what: str, fl: Any, *, keep_empty: bool = False) -> d
         raise InvalidArgumentError(f"{what} must be a dict or a pytree whose flax state dict is a dict, "
                                    f"got {type(tree).__name__}")
     try:
-        flat: dict[tuple, Any] = fl.traverse_util.flatten_dict(sd, keep_empty_nodes=keep_empty)
+        flat: dict[KeyPath, Any] = fl.traverse_util.flatten_dict(sd, keep_empty_nodes=keep_empty)
     except (TypeError, ValueError, AssertionError, RecursionError) as exc:
         raise InvalidArgumentError(f"{what} cannot be flattened: {exc}") from None
     for key in flat:
@@ -183,7 +183,7 @@ def _state_dict(tree: Any, what: str, fl: Any, *, keep_empty: bool = False) -> d
     return flat
 
 
-def _functions(fns: Any, what: str, fl: Any) -> dict[tuple, Callable[[Any], Any] | None] | None:
+def _functions(fns: Any, what: str, fl: Any) -> dict[KeyPath, Callable[[Any], Any] | None] | None:
     """fjformer's ``flatten_dict(to_state_dict(fns))``: key path -> function or None."""
     if fns is None:
         return None
@@ -349,7 +349,7 @@ def _cast(value: Any, dtype: np.dtype | None) -> Any:
     return value.astype(dtype) if convert else value
 
 
-def _write_items(sink: _Sink, flat: dict[tuple, Any], gathers: dict[tuple, Any] | None, cast: np.dtype | None,
+def _write_items(sink: _Sink, flat: dict[KeyPath, Any], gathers: dict[KeyPath, Any] | None, cast: np.dtype | None,
                  mismatch_allowed: bool) -> int:
     """Stream every leaf as fjformer's ``save_state_to_file`` does; return how many
     leaves had no gather function."""
@@ -748,7 +748,7 @@ def _decode(buf: bytearray, s: _Stream, leaf: str) -> Any:
         raise _corrupt(s, f"leaf {leaf}: cannot be decoded: {type(exc).__name__}: {exc}", leaf) from None
 
 
-def _unchunk(d: dict, s: _Stream, leaf: str) -> Any:
+def _unchunk(d: dict[str, Any], s: _Stream, leaf: str) -> Any:
     """flax's chunked array (over 1 GiB) back into one array."""
     try:
         shape_d, chunks_d = d["shape"], d["chunks"]
@@ -926,7 +926,7 @@ class _Tree:
     through its shard function and the callback first; a key path stored twice, or both
     as a leaf and as a subtree, is refused."""
 
-    def __init__(self, where: str, name: str, fns: dict[tuple, Any] | None, mismatch_allowed: bool,
+    def __init__(self, where: str, name: str, fns: dict[KeyPath, Any] | None, mismatch_allowed: bool,
                  callback: Callable[[Any, KeyPath], Any] | None) -> None:
         self.where, self.name, self.fns, self.mismatch_allowed, self.callback = (
             where, name, fns, mismatch_allowed, callback)

@@ -61,7 +61,11 @@ SIGNED_FLOAT_RE = FLOAT_RE
 UNSIGNED_FLOAT_RE = re.compile(r"[-+]?((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)")  # sign is a separator
 MODULE_NUM_RE = re.compile(r"(.*)_\d+$")
 SCHEME_RE = re.compile("^(?P<scheme>[a-z][a-z0-9.+-]+://)?(?P<path>.*)", re.I)
+#: suffix of the directory beside a step file that holds its arrays sharded across processes
+#: (flax's ``<prefix><step>_gda``)
 MP_ARRAY_POSTFIX = "_gda"
+#: prefix of the string that stands in the step file for a leaf stored in the ``_gda``
+#: directory (flax's placeholder)
 MP_ARRAY_PH = "//GDAPlaceholder:"
 ARRAYS_FILE = "arrays.json"
 ARRAYS_FORMAT = "atomicstore.gda/1"
@@ -480,7 +484,7 @@ def restore_checkpoint(
     gda_manager: Any = None,
     allow_partial_mpa_restoration: bool = False,
     orbax_checkpointer: Any = None,
-    orbax_transforms: dict | None = None,
+    orbax_transforms: dict[str, Any] | None = None,
     *,
     storage_options: Mapping[str, Any] | None = None,
 ) -> PyTree:
@@ -545,7 +549,7 @@ def _lists_orbax(st: Store, name: str) -> bool:
     return bool({e.name for e in st.driver.listdir(name)} & ORBAX_FILES)  # (a file lists nothing)
 
 
-def _restore_orbax(path: str, target: Any, checkpointer: Any, transforms: dict | None) -> Any:
+def _restore_orbax(path: str, target: Any, checkpointer: Any, transforms: dict[str, Any] | None) -> Any:
     """Restore an Orbax checkpoint directory as flax's ``restore_checkpoint`` does (so a
     user who swapped the import keeps every checkpoint flax wrote), through Orbax."""
     try:

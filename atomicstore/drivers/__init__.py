@@ -86,7 +86,8 @@ def driver_class(protocol: str) -> type[Driver]:
     if protocol in _BUILTIN:
         mod, _, name = _BUILTIN[protocol].partition(":")
         try:
-            return getattr(importlib.import_module(mod), name)
+            cls: type[Driver] = getattr(importlib.import_module(mod), name)
+            return cls
         except ImportError as exc:
             extra = "s3" if protocol.startswith("s3") else "gcs"
             raise InvalidArgumentError(

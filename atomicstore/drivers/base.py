@@ -118,7 +118,8 @@ class Writer(ABC):
     """
 
     @abstractmethod
-    def write(self, data: bytes | bytearray | memoryview) -> None: ...
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append ``data`` (copied, or written before this returns)."""
 
     def write_borrowed(self, data: memoryview) -> None:
         """Append ``data`` without copying it where the writer can: it may keep a
@@ -128,7 +129,8 @@ class Writer(ABC):
         self.write(data)
 
     @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Complete the object at its key (on POSIX: written and fsynced)."""
 
     def close_async(self) -> concurrent.futures.Future[None]:
         """Like :meth:`close`, but the object may be completed in the background: the
@@ -144,7 +146,8 @@ class Writer(ABC):
         return fut
 
     @abstractmethod
-    def abort(self) -> None: ...
+    def abort(self) -> None:
+        """Discard whatever was written, best effort; nothing appears at the key."""
 
 
 class Driver(ABC):
@@ -224,6 +227,8 @@ class Driver(ABC):
 
     @classmethod
     def make_filesystem(cls, protocol: str, storage_options: dict[str, Any]) -> Any:
+        """The fsspec filesystem for ``protocol`` given ``storage_options`` (drivers override
+        it to set options of their own)."""
         import fsspec
 
         return fsspec.filesystem(protocol, **storage_options)
@@ -346,6 +351,7 @@ class Driver(ABC):
         """Size (and native checksum) of ``key``; :class:`NotFoundError` if absent."""
 
     def exists(self, key: str) -> bool:
+        """True if there is an object (or directory) at ``key``."""
         try:
             self.info(key)
         except NotFoundError:
@@ -697,7 +703,8 @@ class AsyncFsspecDriver(Driver):
         self._completer_lock = threading.Lock()
 
     def _loop(self) -> asyncio.AbstractEventLoop:
-        return self.fs.loop
+        loop: asyncio.AbstractEventLoop = self.fs.loop
+        return loop
 
     def complete_later(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the driver's completion threads: the completions of uploads
@@ -898,9 +905,10 @@ class AsyncFsspecDriver(Driver):
         return path[len(root):] if path.startswith(root) else path
 
     def listdir(self, prefix: str = "") -> list[Entry]:
-        async def ls() -> list[dict]:
+        async def ls() -> list[dict[str, Any]]:
             try:
-                return await self.fs._ls(self.path(prefix), detail=True, refresh=True)
+                listing: list[dict[str, Any]] = await self.fs._ls(self.path(prefix), detail=True, refresh=True)
+                return listing
             except FileNotFoundError:
                 return []
 
@@ -915,10 +923,11 @@ class AsyncFsspecDriver(Driver):
         return entries
 
     def find(self, prefix: str = "") -> dict[str, FileInfo]:
-        async def find() -> dict:
+        async def find() -> dict[str, dict[str, Any]]:
             self.fs.invalidate_cache()
             try:
-                return await self.fs._find(self.path(prefix), detail=True)
+                found: dict[str, dict[str, Any]] = await self.fs._find(self.path(prefix), detail=True)
+                return found
             except FileNotFoundError:
                 return {}
 

@@ -51,10 +51,10 @@ CHUNK_MULTIPLE = 256 * 2**10
 log = logging.getLogger("atomicstore.drivers")
 
 
-class _NoRetryGCSFileSystem(gcsfs.core.GCSFileSystem):
+class _NoRetryGCSFileSystem(gcsfs.core.GCSFileSystem):  # type: ignore[misc]  # gcsfs is untyped
     """gcsfs with one try per request: retries belong to atomicstore's policy."""
 
-    async def _request(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    async def _request(self, *args: Any, **kwargs: Any) -> Any:
         return await gcsfs.core.GCSFileSystem._request.__wrapped__(self, *args, **kwargs)
 
 
@@ -187,7 +187,8 @@ class GCSDriver(AsyncFsspecDriver):
 
     def is_transient(self, exc: BaseException) -> bool:
         if isinstance(exc, gcsfs.retry.HttpError):
-            return gcsfs.retry.is_retriable(exc)
+            retriable: bool = gcsfs.retry.is_retriable(exc)
+            return retriable
         return super().is_transient(exc)
 
     def _native_crc32c(self, raw: Mapping[str, Any]) -> int | None:
@@ -209,7 +210,7 @@ class GCSDriver(AsyncFsspecDriver):
 
     def _metadata(self, key: str) -> dict[str, Any]:
         bucket, obj = self.split(key)
-        return self.call(  # type: ignore[no-any-return]
+        return self.call(
             "info", key, lambda: self.fs._call("GET", "b/{}/o/{}", bucket, obj, json_out=True)
         )
 
@@ -242,7 +243,7 @@ class GCSDriver(AsyncFsspecDriver):
         }
         kind = "generation" if conditions.get("ifGenerationMatch", "0") != "0" else None
         try:
-            return self.call(  # type: ignore[no-any-return]
+            return self.call(
                 "compose", key,
                 lambda: self.fs._call("POST", "b/{}/o/{}/compose", bucket, obj, json=body, json_out=True, **conditions),
                 kind,

@@ -74,7 +74,8 @@ class GenericDriver(Driver):
     ) -> Writer:
         if exclusive and self.exists(key):  # not atomic: see the module docstring
             raise AlreadyExistsError(f"open: already exists: {self.describe(key)}")
-        return self._run("open", key, _GenericWriter, self, key)
+        writer: Writer = self._run("open", key, _GenericWriter, self, key)
+        return writer
 
     def put(
         self, key: str, data: bytes, *, exclusive: bool = False, if_generation: str | None = None
@@ -85,7 +86,8 @@ class GenericDriver(Driver):
         return None
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        return self._run("read", key, self.fs.cat_file, self.path(key), start=start, end=end)
+        data: bytes = self._run("read", key, self.fs.cat_file, self.path(key), start=start, end=end)
+        return data
 
     def info(self, key: str) -> FileInfo:
         raw = self._run("info", key, self.fs.info, self.path(key))

@@ -62,8 +62,9 @@ class MemoryDriver(Driver):
 
         return MemoryFileSystem(**storage_options)
 
-    def _store(self) -> dict:
-        return self.fs.store
+    def _store(self) -> dict[str, Any]:
+        store: dict[str, Any] = self.fs.store
+        return store
 
     def _children(self, prefix: str) -> list[str]:
         base = self.path(prefix).rstrip("/") + "/"

@@ -185,6 +185,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         f"<{SUPPORTED_ORBAX[1]} ({_exc})"
     ) from _exc
 
+#: the installed orbax-checkpoint release (checked against :data:`SUPPORTED_ORBAX` on import)
 ORBAX_VERSION: str = ocp.__version__
 check_orbax_version(ORBAX_VERSION)
 
@@ -269,7 +270,7 @@ class Judgement:
     keys: list[str] = field(default_factory=list)
 
 
-class AtomicTemporaryPath(_TemporaryPath):
+class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is untyped
     """Orbax ``TemporaryPath`` whose ``finalize`` commits the step through atomicstore.
 
     Pass the class (or a :meth:`with_options` subclass) as ``temporary_path_class``. An
@@ -332,7 +333,7 @@ class AtomicTemporaryPath(_TemporaryPath):
         self._create_error: BaseException | None = None
         self._ended = False  # finalized or aborted
         self._found: tuple[str, str | None] | None = None  # what was at the step at from_final
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[[Transaction | None, Lease | None], AtomicTemporaryPath] | None = None
 
     @property
     def is_item(self) -> bool:
@@ -893,7 +894,7 @@ class AtomicTemporaryPath(_TemporaryPath):
         return manifest
 
 
-class StepConflictError(CommitConflictError, _ocp_checkpoint_manager.StepAlreadyExistsError):
+class StepConflictError(CommitConflictError, _ocp_checkpoint_manager.StepAlreadyExistsError):  # type: ignore[misc]
     """:class:`AtomicCheckpointManager` refused to save a step that exists (committed, or
     being saved by another writer): before anything was written. Both atomicstore's
     :class:`~atomicstore.CommitConflictError` and Orbax's ``StepAlreadyExistsError`` (a
@@ -919,21 +920,21 @@ def _save_without_force(save: Any, directory: Any, *args: Any, **kwargs: Any) ->
             name=path.name) from exc
 
 
-class _Checkpointer(ocp.Checkpointer):
+class _Checkpointer(ocp.Checkpointer):  # type: ignore[misc]
     """Orbax's ``Checkpointer``, never deleting an existing destination (``force`` ignored)."""
 
     def save(self, directory: Any, *args: Any, force: bool = False, **kwargs: Any) -> Any:
         return _save_without_force(super().save, directory, *args, **kwargs)
 
 
-class _AsyncCheckpointer(ocp.AsyncCheckpointer):
+class _AsyncCheckpointer(ocp.AsyncCheckpointer):  # type: ignore[misc]
     """Orbax's ``AsyncCheckpointer``, never deleting an existing destination."""
 
     def save(self, directory: Any, *args: Any, force: bool = False, **kwargs: Any) -> Any:
         return _save_without_force(super().save, directory, *args, **kwargs)
 
 
-class AtomicCheckpointManager(ocp.CheckpointManager):
+class AtomicCheckpointManager(ocp.CheckpointManager):  # type: ignore[misc]
     """``ocp.CheckpointManager`` made safe for several writers of one directory.
 
     Orbax's ``CheckpointManager.save`` calls its checkpointer with ``force=True``, which
@@ -1042,7 +1043,7 @@ def _item_step(parent: str) -> AtomicTemporaryPath | None:
     if not found:
         return None
     ref = getattr(_THREAD, "step", None)
-    mine = ref() if ref is not None else None
+    mine: AtomicTemporaryPath | None = ref() if ref is not None else None
     if mine is not None and any(a is mine for a in found):
         return mine
     live = [a for a in found if not a._ended and a._create_error is None]

@@ -43,8 +43,8 @@ import os
 import pickle
 import threading
 import weakref
-from collections.abc import Iterator
-from typing import IO, Any, cast
+from collections.abc import Callable, Iterator
+from typing import IO, Any, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -85,6 +85,8 @@ METADATA_FILE = ".metadata"
 ITEMS_FILE = "atomicstore-dcp.json"
 DCP_VERSION = "1.0.0"  # what the stock writer records in Metadata.version
 SUFFIX = ".distcp"
+
+_T = TypeVar("_T")
 
 
 # -- what travels between ranks (pickled by DCP's collectives) -------------------------------
@@ -730,7 +732,7 @@ def atomicstore_error(exc: BaseException) -> AtomicStoreError | None:
     return None
 
 
-def _unwrapped(call: Any, reader: AtomicStorageReader | None = None) -> Any:
+def _unwrapped(call: Callable[[], _T], reader: AtomicStorageReader | None = None) -> _T:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -754,8 +756,9 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, o
     if not isinstance(state_dict, dict):
         raise InvalidArgumentError(f"state_dict must be a dict, not {type(state_dict).__name__}")
     with AtomicStorageWriter(checkpoint_id, overwrite=overwrite, thread_count=thread_count, **store_options) as w:
-        return _unwrapped(lambda: dcp.save(state_dict, storage_writer=w, planner=planner,
-                                           process_group=process_group))
+        metadata: Metadata = _unwrapped(lambda: dcp.save(state_dict, storage_writer=w, planner=planner,
+                                                         process_group=process_group))
+        return metadata
 
 
 def load(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, planner: LoadPlanner | None = None,

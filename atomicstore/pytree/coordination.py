@@ -159,7 +159,7 @@ class Session:
                 f"making the same call): {_why(exc)}"
             ) from None
 
-    def error(self, exc: BaseException) -> dict:
+    def error(self, exc: BaseException) -> dict[str, Any]:
         return {"error": _why(exc), "process": self.index}
 
     def fail(self, exc: BaseException) -> None:
@@ -332,7 +332,7 @@ def _quiet_abort(txn: Transaction) -> None:
 
 
 def _other(session: Session, leaves: list[ShardedLeaf], shards: list[LocalShard], driver: Driver,
-           name: Callable[..., str], threads: int) -> dict:
+           name: Callable[..., str], threads: int) -> dict[str, Any]:
     try:
         plan = session.get("plan", "process 0")
         if "error" in plan:
@@ -355,7 +355,7 @@ def _other(session: Session, leaves: list[ShardedLeaf], shards: list[LocalShard]
     session.put(f"report/{session.index}", {"files": files})
     try:
         # a little longer than process 0, which gives up at its own deadline
-        outcome = session.get("outcome", "process 0", margin=session.margin)
+        outcome: dict[str, Any] = session.get("outcome", "process 0", margin=session.margin)
     except CoordinationError as exc:
         session.abandon()
         raise CoordinationError(f"{exc}; whether the save committed is unknown until process 0 is back "

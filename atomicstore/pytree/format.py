@@ -97,7 +97,7 @@ class Shard:
     blocks: tuple[int, ...] | None = None
     block: int = SHARD_BLOCK
 
-    def to_index(self) -> list:
+    def to_index(self) -> list[Any]:
         return [self.file, list(self.start), list(self.shape), self.crc32c, list(self.blocks or [])]
 
 
@@ -300,7 +300,7 @@ def parse_index(raw: bytes, state_size: int, where: str,
                 dt, shape = parse_dtype(dtn, path=INDEX_FILE, leaf=p, where=where), _shape(shp, where)
                 if not isinstance(chunks, list):
                     raise TypeError("chunks is not a list")
-                ranges = [tuple(c) for c in chunks]  # type: ignore[misc]
+                ranges = [tuple(c) for c in chunks]
             else:
                 raise TypeError(f"leaf kind {kind!r}")
             for r in ranges:
@@ -311,7 +311,7 @@ def parse_index(raw: bytes, state_size: int, where: str,
                     leaf_where = f"{where} leaf {path_str(p)}"
                     raise CorruptionError(f"{leaf_where}: byte range [{off}, {off + n}) outside the "
                                           f"{state_size}-byte state file", path=STATE_FILE, leaf=path_str(p))
-            leaf = Leaf(p, kind, dt, shape, list(ranges))  # type: ignore[arg-type]
+            leaf = Leaf(p, kind, dt, shape, list(ranges))
             if dt is not None and math.prod(shape) * dt.itemsize != leaf.nbytes:
                 raise CorruptionError(f"{where} leaf {path_str(p)}: shape {shape} of {dt} does not match "
                                       f"{leaf.nbytes} bytes", path=STATE_FILE, leaf=path_str(p))

@@ -64,7 +64,8 @@ def ext_header(code: int, n: int) -> bytes:
 
 def pack(obj: Any) -> bytes:
     """A small value as msgpack packs it (flax's settings)."""
-    return msgpack.packb(obj, use_bin_type=True, strict_types=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True, strict_types=True)
+    return packed
 
 
 # -- scanning ----------------------------------------------------------------------------

@@ -255,7 +255,7 @@ def _restore_whole(ckpt: Checkpoint, raw_index: bytes, state_size: int) -> Any:
         return _NO_FAST_PATH
 
 
-def _open_checkpoint(url_or_path: Any, store: Store | None, storage_options: dict) -> tuple[Checkpoint | None, Any]:
+def _open_checkpoint(url_or_path: Any, store: Store | None, storage_options: dict[str, Any]) -> tuple[Checkpoint | None, Any]:
     root, name = split_url(url_or_path)
     st = store or open_store(root, **storage_options)
     try:

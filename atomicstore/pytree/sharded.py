@@ -48,7 +48,7 @@ class ShardedLeaf:
     dtype: np.dtype
     shape: tuple[int, ...]
 
-    def describe(self) -> list:
+    def describe(self) -> list[Any]:
         return [self.n, self.key, self.dtype.name, list(self.shape)]
 
 
@@ -138,11 +138,11 @@ def write_shard(driver: Driver, key: str, data: np.ndarray, block: int = SHARD_B
 
 
 def write_shards(driver: Driver, prefix: str, shards: list[LocalShard], name: Callable[[int, tuple[int, ...]], str],
-                 threads: int = 8) -> list[dict]:
+                 threads: int = 8) -> list[dict[str, Any]]:
     """Write each shard to ``<prefix>/<name(n, start)>`` (several at once); their reports:
     ``{"n", "file", "start", "shape", "size", "crc32c", "blocks"}``."""
 
-    def one(o: LocalShard) -> dict:
+    def one(o: LocalShard) -> dict[str, Any]:
         data = o.host()  # copied to host here, one shard per thread at a time
         file = name(o.n, o.start)
         size, crc, blocks = write_shard(driver, f"{prefix}/{file}", data)
@@ -155,7 +155,7 @@ def write_shards(driver: Driver, prefix: str, shards: list[LocalShard], name: Ca
         return list(pool.map(one, shards))
 
 
-def assemble(reports: list[dict], leaves: list[ShardedLeaf]) -> dict[int, list[Shard]]:
+def assemble(reports: list[dict[str, Any]], leaves: list[ShardedLeaf]) -> dict[int, list[Shard]]:
     """The shards of each sharded array from every process's reports."""
     out: dict[int, list[Shard]] = {leaf.n: [] for leaf in leaves}
     for r in reports:
@@ -182,7 +182,7 @@ def run_jobs(jobs: list[Callable[[], None]], threads: int) -> None:
 Box = tuple[tuple[int, int], ...]
 
 
-def norm_index(index: tuple, shape: tuple[int, ...]) -> Box:
+def norm_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
     """A device's index (tuple of slices) as ((lo, hi), ...) per axis."""
     idx = tuple(index) + (slice(None),) * (len(shape) - len(index))
     return tuple(s.indices(n)[:2] for s, n in zip(idx, shape, strict=True))
@@ -264,7 +264,7 @@ class ShardReader:
         return [functools.partial(self._span, s, a, b, out[a - lo : b - lo]) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
-def _copy(res: np.ndarray, dst: tuple, tmp: np.ndarray, src: tuple) -> None:
+def _copy(res: np.ndarray, dst: tuple[slice, ...], tmp: np.ndarray, src: tuple[slice, ...]) -> None:
     res[dst] = tmp[src]
 
 

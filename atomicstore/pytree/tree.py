@@ -132,12 +132,13 @@ def per_leaf_fn(fns: Any, what: str) -> Callable[[Path, Any], Any] | None:
     if fns is None:
         return None
     if callable(fns):
-        return fns
+        fn: Callable[[Path, Any], Any] = fns
+        return fn
     if isinstance(fns, Mapping):
         table = dict(fns)
 
         def apply(path: Path, leaf: Any) -> Any:
-            fn = table.get(path_str(path), table.get(path))  # type: ignore[call-overload]
+            fn = table.get(path_str(path), table.get(path))
             return fn(leaf) if fn is not None else leaf
 
         return apply

@@ -219,7 +219,7 @@ def _check_array(path: Path, arr: np.ndarray) -> None:
         raise InvalidArgumentError(f"leaf {path_str(path)}: object and structured dtypes cannot be saved ({arr.dtype})")
 
 
-def _write_node(em: _Emitter, node: Any, path: Path, index: list, opts: _SaveOptions, depth: int) -> None:
+def _write_node(em: _Emitter, node: Any, path: Path, index: list[list[Any]], opts: _SaveOptions, depth: int) -> None:
     if depth > mp.MAX_DEPTH:
         raise InvalidArgumentError(f"tree deeper than {mp.MAX_DEPTH} levels at {path_str(path)}")
     kids = children(node, opts.sort_keys)
@@ -370,7 +370,7 @@ class StateWriter:
         cast_dtype = _cast_dtype(cast_dtype)
         self.tree = tree
         self.opts = _SaveOptions(cast_dtype, per_leaf_fn(gather_fns, "gather_fns"), sort_keys)
-        self.index: list = []
+        self.index: list[list[Any]] = []
         self.show: Callable[[int], None] | None = None
         self._printer = False
         if callable(progress):
@@ -391,7 +391,7 @@ class StateWriter:
             print(file=sys.stderr)
 
 
-def _sharded_nodes(index: list, shards: dict[int, list[Shard]]) -> list:
+def _sharded_nodes(index: list[list[Any]], shards: dict[int, list[Shard]]) -> list[list[Any]]:
     """The index with each sharded array's placeholder replaced by its shard list."""
     return [[*n[:5], [s.to_index() for s in shards[n[5].n]]] if n[0] == 1 and n[2] == "sh" else n
             for n in index]

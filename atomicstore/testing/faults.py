@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
+#: a test on a request's WSGI ``environ``: which requests a rule of a :class:`FaultPlan` applies to
 Predicate = Callable[[dict[str, Any]], bool]
 
 #: GCS query parameters that make a request conditional
@@ -66,10 +67,12 @@ def query(environ: dict[str, Any]) -> dict[str, str]:
 
 def is_gcs(environ: dict[str, Any]) -> bool:
     """True for a request of the GCS JSON API (the paths :class:`GCSFake` serves)."""
-    return environ.get("PATH_INFO", "").startswith(_GCS_BASES)
+    path: str = environ.get("PATH_INFO", "")
+    return path.startswith(_GCS_BASES)
 
 
 def is_mutation(environ: dict[str, Any]) -> bool:
+    """True for a request that may change the store: ``PUT``, ``POST`` or ``DELETE``."""
     return environ.get("REQUEST_METHOD", "GET") in ("PUT", "POST", "DELETE")
 
 
@@ -117,7 +120,7 @@ def is_multipart_completion(environ: dict[str, Any]) -> bool:
 
 def _peek_body(environ: dict[str, Any]) -> bytes:
     """The request body, read once and put back so the application still sees it."""
-    cached = environ.get("atomicstore.body")
+    cached: bytes | None = environ.get("atomicstore.body")
     if cached is not None:
         return cached
     try:
@@ -383,7 +386,7 @@ class FaultInjector:
 
     # -- S3 answers ----------------------------------------------------------------------
     @staticmethod
-    def _s3_error(status: str, code: str, message: str, **extra: str) -> tuple[str, list, bytes]:
+    def _s3_error(status: str, code: str, message: str, **extra: str) -> tuple[str, list[tuple[str, str]], bytes]:
         tags = "".join(f"<{k}>{html.escape(v)}</{k}>" for k, v in extra.items())
         body = _S3_ERROR.format(
             code=code, message=html.escape(message), extra=tags,
@@ -392,7 +395,7 @@ class FaultInjector:
         headers = [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))]
         return status, headers, body
 
-    def _conflict_answer(self, environ: dict[str, Any]) -> tuple[str, list, bytes]:
+    def _conflict_answer(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
         key = (object_key(environ) or "").partition("/")[2]
         return self._s3_error(
             "409 Conflict", "ConditionalRequestConflict",
@@ -417,7 +420,7 @@ class FaultInjector:
                     self._ended_uploads.add(upload)
         return hit
 
-    def _complete_precondition(self, environ: dict[str, Any]) -> tuple[str, list, bytes] | None:
+    def _complete_precondition(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes] | None:
         """``If-Match`` on an S3 CompleteMultipartUpload, which moto ignores: the answer
         S3 gives when it does not hold, or None. Called under the conditional lock."""
         want = environ.get("HTTP_IF_MATCH")
@@ -461,7 +464,7 @@ class FaultInjector:
         kind, key, qs = request_kind(environ), object_key(environ), environ.get("QUERY_STRING", "")
         status = ["dropped"]
 
-        def start_logged(st: str, headers: list, *args: Any) -> Any:
+        def start_logged(st: str, headers: list[tuple[str, str]], *args: Any) -> Any:
             status[0] = st
             return start_response(st, headers, *args)
 
@@ -556,11 +559,11 @@ def _consume(environ: dict[str, Any]) -> None:
         environ["wsgi.input"].read(length)
 
 
-def _run(app: Callable[..., Iterable[bytes]], environ: dict[str, Any]) -> tuple[str, list, bytes]:
+def _run(app: Callable[..., Iterable[bytes]], environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
     """Run ``app`` to completion and capture its answer."""
     captured: dict[str, Any] = {}
 
-    def start_response(status: str, headers: list, exc_info: Any = None) -> Callable[[bytes], None]:
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable[[bytes], None]:
         captured["status"], captured["headers"] = status, headers
         return lambda data: None
 

@@ -58,6 +58,7 @@ class _Object:
 #: the preconditions GCS accepts on object requests
 PRECONDITIONS = ("ifGenerationMatch", "ifGenerationNotMatch", "ifMetagenerationMatch",
                  "ifMetagenerationNotMatch")
+#: the metageneration of every object (the fake has no metadata updates)
 METAGENERATION = 1
 
 

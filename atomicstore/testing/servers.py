@@ -35,7 +35,8 @@ class _FakeServer:
 
     @property
     def endpoint(self) -> str:
-        return self._server.url
+        url: str = self._server.url
+        return url
 
     def stop(self) -> None:
         if self._server is not None:
