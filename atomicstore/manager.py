@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -132,7 +133,10 @@ class CheckpointManager:
         self.prefix, self.keep, self.keep_every_n_steps = prefix, keep, keep_every_n_steps
         self.best_fn, self.best_mode, self.overwrite = best_fn, best_mode, overwrite
         self.async_save = async_save
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise InvalidArgumentError("storage_options must be a dict")
         self.store = store or open_store(directory_or_url, **(storage_options or {}))
+        self._pid = os.getpid()  # a forked child must make its own manager
         self._pending: list[threading.Thread] = []
         self._slots = threading.BoundedSemaphore(max_pending)
         self._error: BaseException | None = None
@@ -474,6 +478,13 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidArgumentError("the CheckpointManager is closed")
+        if os.getpid() != self._pid:
+            # its background saves and their slots belong to the parent's threads, which
+            # do not exist here: waiting for them would never end
+            raise InvalidArgumentError(
+                f"this CheckpointManager was made in process {self._pid}; a forked child "
+                "must make its own (the parent's background saves do not exist in the child)"
+            )
 
     def close(self) -> None:
         """Wait for background saves and raise any error they had."""

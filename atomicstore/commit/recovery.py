@@ -356,6 +356,10 @@ class _Recovery:
             if mtime + max(grace, TEMP_MIN_AGE) < now and key.split("/", 1)[0] not in committed:
                 self.act("temp", key, f"temporary file older than {max(grace, TEMP_MIN_AGE):.0f}s")
 
+        for key in d.stray_leftovers(max(grace, TEMP_MIN_AGE)):
+            self.act("temp", key, f"scratch directory of a killed process, older than "
+                     f"{max(grace, TEMP_MIN_AGE):.0f}s", tree=True)
+
         if d.capabilities.multipart_uploads:
             self.uploads()
 

@@ -6,6 +6,7 @@ import concurrent.futures
 import io
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -234,8 +235,9 @@ class Store:
     ) -> None:
         if clock is not None and not callable(clock):
             raise InvalidArgumentError("clock must be a callable returning Unix seconds")
-        if not (isinstance(lease_ttl, int | float) and lease_ttl > 0):
-            raise InvalidArgumentError("lease_ttl must be a positive number of seconds")
+        if not (isinstance(lease_ttl, int | float) and not isinstance(lease_ttl, bool)
+                and 0 < lease_ttl < 7 * 86400):  # (finite: recovery must be able to expire it)
+            raise InvalidArgumentError("lease_ttl must be a positive number of seconds below 7 days")
         if not (isinstance(grace, int | float) and grace >= 0):
             raise InvalidArgumentError("grace must be a non-negative number of seconds")
         if writer_id is not None and (not isinstance(writer_id, str) or not writer_id or len(writer_id) > 200):
@@ -247,6 +249,14 @@ class Store:
         self.grace = float(grace)
         #: Unix seconds; leases and recovery read time only through it (tests inject one)
         self.clock: Callable[[], float] = clock or time.time
+        if clock is not None:
+            try:
+                now = clock()
+                ok = isinstance(now, int | float) and not isinstance(now, bool) and math.isfinite(now)
+            except Exception as exc:  # noqa: BLE001 - reported as the argument's fault
+                raise InvalidArgumentError(f"clock() failed: {exc!r}") from None
+            if not ok:
+                raise InvalidArgumentError(f"clock must return Unix seconds as a number, not {now!r}")
 
     @property
     def url(self) -> str:

@@ -183,8 +183,8 @@ class Driver(ABC):
     ) -> None:
         if operation_timeout is not None and operation_timeout <= 0:
             raise InvalidArgumentError("operation_timeout must be > 0 or None")
-        if block_size < 2**18:
-            raise InvalidArgumentError("block_size must be at least 256 KiB")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2**18:
+            raise InvalidArgumentError("block_size must be an int of at least 256 KiB")
         if max_inflight_bytes is not None and (
             not isinstance(max_inflight_bytes, int) or isinstance(max_inflight_bytes, bool)
             or max_inflight_bytes < 2**20
@@ -456,6 +456,12 @@ class Driver(ABC):
     def abort_upload(self, key: str, upload_id: str) -> None:
         """Abort one unfinished multipart upload."""
 
+    def stray_leftovers(self, older_than: float) -> list[str]:
+        """Keys of scratch entries the driver itself made and a killed process left
+        behind (the local driver's ``renameat2`` probe directories), last changed more
+        than ``older_than`` seconds ago; recovery removes them. Default: none."""
+        return []
+
     def close(self) -> None:
         """Release resources held by the driver."""
 
@@ -478,9 +484,12 @@ def background_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 def _forget_pool() -> None:
     """In a forked child the parent's pool threads do not exist: work submitted to it
-    would never run. The child makes its own."""
-    global _POOL
+    would never run. The child makes its own; likewise its own per-root process locks
+    (one held by a parent thread at the fork would stay held in the child forever)."""
+    global _POOL, _PROCESS_LOCKS_GUARD
     _POOL = None
+    _PROCESS_LOCKS.clear()
+    _PROCESS_LOCKS_GUARD = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pool)

@@ -15,6 +15,7 @@ import errno
 import fcntl
 import os
 import posixpath
+import re
 import shutil
 import threading
 import time
@@ -67,15 +68,21 @@ def _renameat2_call(a: str, b: str, flags: int) -> int:
 
 
 #: per filesystem (``st_dev``) and process: the probe's answer, found in the background
-_PROBED: dict[int, concurrent.futures.Future[tuple[bool, bool]]] = {}
+#: (None: the probe could not run, e.g. a read-only store or a full disk: ask again later)
+_PROBED: dict[int, concurrent.futures.Future[tuple[bool, bool] | None]] = {}
+#: where the probe makes its directories (recovery removes those a killed probe left)
+PROBE_DIR = ".atomicstore"
+PROBE_PREFIX = ".probe-"
+_PROBE_NAME = re.compile(r"\.probe-\d+-[0-9a-f]{8}[abc]")
 _PROBE_LOCK = threading.Lock()
 
 
-def _probe_in_background(root: str) -> concurrent.futures.Future[tuple[bool, bool]]:
+def _probe_in_background(root: str) -> concurrent.futures.Future[tuple[bool, bool] | None]:
     """:func:`probe_renameat2` of ``root``'s filesystem, once per filesystem and process,
     run in a thread: its mkdir/rename/rmdir round trips overlap the first save's data
-    (nothing is renamed before the answer is in). A store that cannot be written to
-    (read-only) answers (False, False): nothing will be renamed there."""
+    (nothing is renamed before the answer is in). Where it cannot run (a read-only store,
+    no space or inodes left) the answer is None, remembered by nobody: the driver probes
+    again when it first needs to rename."""
     try:
         dev = os.stat(root).st_dev
     except OSError:
@@ -95,7 +102,7 @@ def _probe_in_background(root: str) -> concurrent.futures.Future[tuple[bool, boo
             with _PROBE_LOCK:  # not an answer for the filesystem: another store asks again
                 if dev is not None and _PROBED.get(dev) is fut:
                     del _PROBED[dev]
-            fut.set_result((False, False))
+            fut.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for it
             fut.set_exception(exc)
 
@@ -103,11 +110,25 @@ def _probe_in_background(root: str) -> concurrent.futures.Future[tuple[bool, boo
     return fut
 
 
+#: descriptors this process holds the store lock (``flock``) through
+_LOCK_FDS: set[int] = set()
+_LOCK_FDS_GUARD = threading.Lock()
+
+
 def _forget_pending_probes() -> None:
-    """In a forked child: a probe still running in the parent never finishes here."""
+    """In a forked child: a probe still running in the parent never finishes here; and
+    the child's copies of the descriptors the parent holds store locks through are closed
+    (an ``flock`` belongs to the open file, so a copy would keep the parent's lock held
+    after the parent released it, for as long as the child lives)."""
+    global _LOCK_FDS_GUARD
     for dev, fut in list(_PROBED.items()):
         if not fut.done():
             del _PROBED[dev]
+    for fd in _LOCK_FDS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()
+    _LOCK_FDS_GUARD = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pending_probes)
@@ -115,8 +136,13 @@ os.register_at_fork(after_in_child=_forget_pending_probes)
 
 def probe_renameat2(directory: str) -> tuple[bool, bool]:
     """Which ``renameat2`` flags the filesystem of ``directory`` honours:
-    ``(RENAME_NOREPLACE, RENAME_EXCHANGE)``. NFS and many FUSE mounts answer EINVAL."""
-    base = os.path.join(directory, f".probe-{os.getpid()}-{os.urandom(4).hex()}")
+    ``(RENAME_NOREPLACE, RENAME_EXCHANGE)``. NFS and many FUSE mounts answer EINVAL.
+    Its directories are made in ``<directory>/.atomicstore/`` (the same filesystem as
+    the checkpoints, out of the user's listing); a process killed in between leaves
+    them, and recovery removes them."""
+    home = os.path.join(directory, PROBE_DIR)
+    os.makedirs(home, exist_ok=True)
+    base = os.path.join(home, f"{PROBE_PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
     a, b, c = base + "a", base + "b", base + "c"
     os.mkdir(a)
     try:
@@ -181,9 +207,12 @@ class _LocalWriter(Writer):
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         mv = memoryview(data).cast("B")
-        while len(mv):
-            n = os.write(self.fd, mv)
-            mv = mv[n:]
+        try:
+            while len(mv):
+                n = os.write(self.fd, mv)
+                mv = mv[n:]
+        except OSError as exc:  # ENOSPC, EIO, EDQUOT...
+            raise StorageError(f"write {self.path} failed: {exc.strerror or exc}") from exc
 
     def close(self) -> None:
         if self.fd < 0:
@@ -191,6 +220,8 @@ class _LocalWriter(Writer):
         try:
             if self.durable:
                 os.fsync(self.fd)
+        except OSError as exc:  # EIO (or ENOSPC on some filesystems) from writeback
+            raise StorageError(f"fsync {self.path} failed: {exc.strerror or exc}") from exc
         finally:
             os.close(self.fd)
             self.fd = -1
@@ -276,20 +307,38 @@ class LocalDriver(Driver):
         super().__init__(fs, root, **kwargs)
         self._lock_depth = threading.local()
         self._flags: tuple[bool, bool] | None = None
+        #: the background probe, started by the first write (a reader never probes)
+        self._probe: concurrent.futures.Future[tuple[bool, bool] | None] | None = None
         if os.environ.get("ATOMICSTORE_LOCAL_RENAMEAT2", "").lower() == "none":
             self._flags = (False, False)
-            self._probe = None
-        else:
-            self._probe = _probe_in_background(root)
         self._probe_pid = os.getpid()
+
+    def _start_probe(self) -> None:
+        """Start the probe in the background, once: called by the first write, so its
+        answer is in by the time that save renames."""
+        if self._flags is None and self._probe is None:
+            self._probe, self._probe_pid = _probe_in_background(self.root), os.getpid()
 
     def _renameat2_flags(self) -> tuple[bool, bool]:
         if self._flags is None:
+            self._start_probe()
             assert self._probe is not None
             if not self._probe.done() and os.getpid() != self._probe_pid:
                 # forked while the parent's probe ran: its thread does not exist here
                 self._probe, self._probe_pid = _probe_in_background(self.root), os.getpid()
-            self._flags = self._probe.result()
+            found = self._probe.result()
+            if found is None:  # it could not run in the background: now, or say why
+                try:
+                    found = probe_renameat2(self.root)
+                except OSError as exc:
+                    raise StorageError(f"cannot probe {self.root} for renameat2 flags (needed to "
+                                       f"rename): {exc.strerror or exc}") from exc
+                with _PROBE_LOCK:
+                    done: concurrent.futures.Future[tuple[bool, bool] | None] = concurrent.futures.Future()
+                    done.set_result(found)
+                    with contextlib.suppress(OSError):
+                        _PROBED[os.stat(self.root).st_dev] = done
+            self._flags = found
         return self._flags
 
     @property
@@ -319,7 +368,14 @@ class LocalDriver(Driver):
         if os.path.exists(root) and not os.path.isdir(root):
             raise InvalidArgumentError(f"{root} exists and is not a directory")
         created = not os.path.exists(root)
-        os.makedirs(root, exist_ok=True)
+        try:
+            os.makedirs(root, exist_ok=True)
+        except (NotADirectoryError, FileExistsError) as exc:
+            raise InvalidArgumentError(f"{root}: a parent is not a directory ({exc.strerror})") from None
+        except OSError as exc:  # ENAMETOOLONG, EACCES, EROFS...
+            if exc.errno == errno.ENAMETOOLONG:
+                raise InvalidArgumentError(f"{root[:200]}...: name too long") from None
+            raise StorageError(f"cannot create the store directory {root}: {exc.strerror or exc}") from exc
         drv = cls(None, root, url=root, **kwargs)  # fsspec's LocalFileSystem only if asked for
         if created:
             drv._fsync_path(os.path.dirname(root))
@@ -357,6 +413,7 @@ class LocalDriver(Driver):
         if if_generation is not None:
             raise NotImplementedError("local files are replaced by staging and renaming")
         path = self.path(key)
+        self._start_probe()
         self.makedirs(os.path.dirname(key))
         if exclusive:
             return _ExclusiveLocalWriter(self, key)
@@ -423,8 +480,10 @@ class LocalDriver(Driver):
         deadline = time.monotonic() + timeout
         with super().lock(timeout):
             self.makedirs(posixpath.dirname(LOCK_KEY))
-            fd = self._os("lock", LOCK_KEY, os.open, self.path(LOCK_KEY),
-                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            with _LOCK_FDS_GUARD:  # (a fork cannot copy it without the child closing it)
+                fd = self._os("lock", LOCK_KEY, os.open, self.path(LOCK_KEY),
+                              os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                _LOCK_FDS.add(fd)
             try:
                 while True:
                     try:
@@ -443,7 +502,10 @@ class LocalDriver(Driver):
                 finally:
                     self._lock_depth.n = 0
             finally:
-                os.close(fd)  # releases the flock
+                with _LOCK_FDS_GUARD:
+                    if fd in _LOCK_FDS:  # (not if this is a forked child's copy, closed)
+                        _LOCK_FDS.discard(fd)
+                        os.close(fd)  # releases the flock
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         def _read() -> bytes:
@@ -531,6 +593,22 @@ class LocalDriver(Driver):
             pass
         except IsADirectoryError:
             self.delete_tree(key)
+
+    def stray_leftovers(self, older_than: float) -> list[str]:
+        """``renameat2`` probe directories (``.probe-<pid>-<hex>{a,b,c}``) of a process
+        killed while probing, in ``.atomicstore/`` (and, from older versions, the root)."""
+        out, now = [], time.time()
+        for where in ("", PROBE_DIR):
+            try:
+                entries = list(os.scandir(self.path(where)))
+            except OSError:
+                continue
+            for e in entries:
+                if _PROBE_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        if e.stat(follow_symlinks=False).st_mtime + older_than < now:
+                            out.append(f"{where}/{e.name}".lstrip("/"))
+        return out
 
     def delete_tree(self, prefix: str) -> None:
         path = self.path(prefix)

@@ -25,6 +25,19 @@ _KINDS = frozenset("biufcmM")  # bool, ints, floats, complex, timedelta, datetim
 _CACHE: dict[str | bytes, np.dtype] = {}
 
 
+def is_float(dt: np.dtype) -> bool:
+    """A floating-point dtype: numpy's, or one of ml_dtypes' (bfloat16, float8_*...),
+    which numpy does not count as ``np.floating`` (what ``cast_dtype`` applies to)."""
+    return bool(np.issubdtype(dt, np.floating)) or (dt.type.__module__ == "ml_dtypes" and "float" in dt.name)
+
+
+def is_storable(dt: np.dtype) -> bool:
+    """A dtype :func:`parse_dtype` reads back: plain numeric, bool, datetime, timedelta or
+    ml_dtypes (not str, bytes, void, object, structured or sub-array dtypes)."""
+    plain = dt.kind in _KINDS or dt.type.__module__ == "ml_dtypes"
+    return plain and not dt.hasobject and dt.fields is None and dt.subdtype is None
+
+
 def parse_dtype(text: object, *, path: str, leaf: str | Path, where: str | None = None) -> np.dtype:
     """The dtype named by ``text`` read from storage.
 
@@ -70,7 +83,6 @@ def _parse(text: object, path: str, leaf: str | Path, where: str | None) -> np.d
         dt = np.dtype(text)
     except (TypeError, ValueError, SyntaxError, Warning):  # Warning: under -W error
         raise bad(f"unknown dtype {text!r}") from None
-    plain = dt.kind in _KINDS or dt.type.__module__ == "ml_dtypes"
-    if not plain or dt.hasobject or dt.fields is not None or dt.subdtype is not None:
+    if not is_storable(dt):
         raise bad(f"dtype {text!r} is not a plain array dtype")
     return dt

@@ -26,6 +26,7 @@ from ..commit.manifest import crc32c, crc32c_combine
 from ..commit.store import Checkpoint
 from ..drivers import Driver
 from ..errors import ChecksumMismatchError, CorruptionError, InvalidArgumentError
+from .dtypes import is_float
 from .format import SHARD_BLOCK, Shard, aligned_empty, bytes_view
 from .tree import Path, is_jax_array, path_str, rebuild
 
@@ -85,7 +86,7 @@ def split_tree(tree: Any, *, cast_dtype: np.dtype | None = None,
         if not is_multiprocess_array(leaf):
             return leaf
         dt = np.dtype(leaf.dtype)
-        if cast_dtype is not None and np.issubdtype(dt, np.floating):
+        if cast_dtype is not None and is_float(dt):
             dt = cast_dtype
         if dt.hasobject or dt.fields is not None:
             raise InvalidArgumentError(f"leaf {path_str(path)}: object and structured dtypes cannot be saved")

@@ -26,6 +26,7 @@ from ..commit.manifest import crc32c, crc32c_combine
 from ..errors import InvalidArgumentError
 from . import msgpack_io as mp
 from .coordination import DEFAULT_TIMEOUT, Session, check_timeout, coordinated_save
+from .dtypes import is_float, is_storable
 from .format import (
     EXT_COMPLEX,
     EXT_NDARRAY,
@@ -113,7 +114,7 @@ def _to_numpy(path: Path, x: Any, opts: _SaveOptions) -> Any:
                 "process is not part of a jax.distributed job (call jax.distributed.initialize)"
             )
         x = np.asarray(x)
-    if opts.cast_dtype is not None and isinstance(x, np.generic) and np.issubdtype(x.dtype, np.floating):
+    if opts.cast_dtype is not None and isinstance(x, np.generic) and is_float(x.dtype):
         x = x.astype(opts.cast_dtype)  # (arrays are cast block by block as they are written)
     return x
 
@@ -215,8 +216,11 @@ def _ndarray_ext(em: _Emitter, arr: np.ndarray, code: int, lend: bool = False,
 
 
 def _check_array(path: Path, arr: np.ndarray) -> None:
-    if arr.dtype.hasobject or arr.dtype.fields is not None:
-        raise InvalidArgumentError(f"leaf {path_str(path)}: object and structured dtypes cannot be saved ({arr.dtype})")
+    if not is_storable(arr.dtype):  # what restore could not read back is refused now
+        raise InvalidArgumentError(
+            f"leaf {path_str(path)}: dtype {arr.dtype} cannot be saved (numeric, bool, datetime, "
+            "timedelta and ml_dtypes arrays can; not object, str, bytes, void or structured)"
+        )
 
 
 def _write_node(em: _Emitter, node: Any, path: Path, index: list[list[Any]], opts: _SaveOptions, depth: int) -> None:
@@ -240,10 +244,14 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list[list[Any]], opt
         pack, crc_of, heads, ndarray = em.pack, google_crc32c.value, _HEADS, np.ndarray
         for k, child in items:
             kb = pack(k if type(k) is str else k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k))
-            if plain and type(child) is ndarray and child.nbytes < 65536 and child.flags.c_contiguous \
-                    and not child.dtype.hasobject and child.dtype.fields is None:
+            hit = None
+            if plain and type(child) is ndarray and child.nbytes < 65536 and child.flags.c_contiguous:
+                # (only storable dtypes ever get a head: others go the checked way below)
+                hit = heads.get((child.dtype, child.shape, EXT_NDARRAY))
+                if hit is None and is_storable(child.dtype):
+                    hit = _array_head(child, EXT_NDARRAY)
+            if hit is not None:
                 # the common case of many small arrays, inlined: straight into the buffer
-                hit = heads.get((child.dtype, child.shape, EXT_NDARRAY)) or _array_head(child, EXT_NDARRAY)
                 raw = child.tobytes()
                 buf = em.buf
                 buf += kb
@@ -269,7 +277,7 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list[list[Any]], opt
     if isinstance(x, np.ndarray):
         _check_array(path, x)
         cast = opts.cast_dtype
-        if cast is None or cast == x.dtype or not np.issubdtype(x.dtype, np.floating):
+        if cast is None or cast == x.dtype or not is_float(x.dtype):
             cast = None
         own = x is node and cast is None  # the tree's own array (not a converted temporary)
         if x.size * (cast or x.dtype).itemsize > FLAX_MAX_CHUNK:
@@ -355,6 +363,9 @@ def _cast_dtype(cast_dtype: Any) -> np.dtype | None:
         dt: np.dtype = np.dtype(cast_dtype)
     except (TypeError, ValueError, SyntaxError) as exc:
         raise InvalidArgumentError(f"cast_dtype: {cast_dtype!r} is not a dtype ({exc})") from None
+    if not is_float(dt) or not is_storable(dt):
+        raise InvalidArgumentError(f"cast_dtype must be a floating-point dtype (it casts floating-point "
+                                   f"leaves), not {dt}")
     return dt
 
 
