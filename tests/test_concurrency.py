@@ -530,7 +530,9 @@ def test_row13_racing_marker_puts_with_409_one_wins_the_loser_leaks_nothing(
     b = second.transaction("step_2")
     b.write_bytes("state.bin", b"B" * 100)
     a_marker = Once(writes_object(MARKER))  # A's marker PUT is in progress for a while
-    backend.faults(FaultPlan(conflict_on_overlap=True, stalls=[(a_marker, 1.0)]))
+    # (4 s: B's commit - manifest PUT, lease HEAD, marker PUT - must reach its marker PUT
+    # while A's is held; 1 s was not always enough under load, seen on Python 3.12)
+    backend.faults(FaultPlan(conflict_on_overlap=True, stalls=[(a_marker, 4.0)]))
     t, res_a = in_thread(a.commit)
     assert a_marker.fired.wait(20)
     res_b = outcome(b.commit)  # its marker PUT overlaps A's: 409
