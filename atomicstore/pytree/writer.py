@@ -164,27 +164,32 @@ def _head_for(dt: np.dtype, shape: tuple[int, ...], code: int) -> tuple[bytes, s
     return hit
 
 
-def _emit_pieces(em: _Emitter, pieces: Any, nbytes: int) -> int:
-    """Write ``nbytes`` bytes taken from the front of ``pieces`` (a list of C-contiguous
-    arrays or memoryviews, consumed in place; a piece that goes past ``nbytes`` is split
-    and its rest left first); their CRC32C."""
-    crc = 0
-    while nbytes:
-        data = bytes_view(pieces[0]) if not isinstance(pieces[0], memoryview) else pieces[0]
-        if data.nbytes > nbytes:
-            data, pieces[0] = data[:nbytes], data[nbytes:]
-        else:
-            pieces.pop(0)
-        if data.nbytes < 65536:
-            raw = data.tobytes()
-            em.small(raw)
-            part = google_crc32c.value(raw)
-        else:
-            part = crc32c(data)
-            em.big(data, part)  # a temporary: copied (not lent) by the writer
-        crc = crc32c_combine(crc, part, data.nbytes)
-        nbytes -= data.nbytes
-    return crc
+class _Converted:
+    """The C-order bytes of ``arr`` as ``dtype``, converted a block at a time
+    (:func:`_c_order_blocks`) and written on demand: :meth:`emit` writes the next
+    ``nbytes`` of them (a block may end in one call and go on in the next)."""
+
+    def __init__(self, arr: np.ndarray, dtype: np.dtype) -> None:
+        self._blocks = (bytes_view(b) for b in _c_order_blocks(arr, dtype))
+        self._rest = memoryview(b"")
+
+    def emit(self, em: _Emitter, nbytes: int) -> int:
+        """Write the next ``nbytes`` bytes; their CRC32C."""
+        crc = 0
+        while nbytes:
+            if not self._rest:
+                self._rest = next(self._blocks)
+            data, self._rest = self._rest[:nbytes], self._rest[nbytes:]
+            if data.nbytes < 65536:
+                raw = data.tobytes()
+                em.small(raw)
+                part = google_crc32c.value(raw)
+            else:
+                part = crc32c(data)
+                em.big(data, part)  # a temporary: copied (not lent) by the writer
+            crc = crc32c_combine(crc, part, data.nbytes)
+            nbytes -= data.nbytes
+        return crc
 
 
 def _ndarray_ext(em: _Emitter, arr: np.ndarray, code: int, lend: bool = False,
@@ -198,10 +203,7 @@ def _ndarray_ext(em: _Emitter, arr: np.ndarray, code: int, lend: bool = False,
         em.small(head)
         off, n = em.offset, arr.size * dt.itemsize
         # converted piece by piece: no whole converted copy of the leaf at any time
-        crc = 0
-        for piece in _c_order_blocks(arr, dt):
-            crc = crc32c_combine(crc, _emit_pieces(em, [piece], piece.nbytes), piece.nbytes)
-        return off, n, crc, name
+        return off, n, _Converted(arr, dt).emit(em, n), name
     head, name = _array_head(arr, code)
     em.small(head)
     off = em.offset
@@ -327,16 +329,12 @@ def _write_chunked(em: _Emitter, arr: np.ndarray, path: Path, index: list[list[A
             off, n, crc, _ = _ndarray_ext(em, flat[s : s + per], EXT_NDARRAY, own, dtype)
             chunks.append([off, n, crc])
     else:
-        blocks = _c_order_blocks(arr, dt)
-        pending: list[Any] = []
+        stream = _Converted(arr, dt)
         for i, s in enumerate(starts):
             count = min(per, arr.size - s)
             em.small(mp.pack(str(i)) + _head_for(dt, (count,), EXT_NDARRAY)[0])
             off, want = em.offset, count * dt.itemsize
-            while sum(bytes_view(p).nbytes if not isinstance(p, memoryview) else p.nbytes
-                      for p in pending) < want:
-                pending.append(next(blocks))
-            chunks.append([off, want, _emit_pieces(em, pending, want)])
+            chunks.append([off, want, stream.emit(em, want)])
     index.append([1, list(path), "ndc", dt.name, list(arr.shape), chunks])
 
 
@@ -355,10 +353,8 @@ def _progress_printer(total: int) -> Callable[[int], None]:
 def _cast_dtype(cast_dtype: Any) -> np.dtype | None:
     if cast_dtype is None:
         return None
-    try:
-        import ml_dtypes  # noqa: F401 - registers "bfloat16", "float8_*"... (imported lazily)
-    except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-        pass
+    import ml_dtypes  # noqa: F401 - registers "bfloat16", "float8_*"... (a dependency, imported lazily)
+
     try:
         dt: np.dtype = np.dtype(cast_dtype)
     except (TypeError, ValueError, SyntaxError) as exc:
