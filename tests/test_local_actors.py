@@ -120,7 +120,7 @@ def test_a_probe_that_could_not_run_is_asked_again(tmp_path):
     cached as "no renameat2 flags", refusing every overwrite for the driver's life). In a
     fresh process: the probe's answer is kept per filesystem and process."""
     out = run_script(f"""
-        import os, atomicstore
+        import concurrent.futures, os, atomicstore
         from atomicstore.drivers.local import LocalDriver, probe_renameat2
         root = {str(tmp_path / "s")!r}
         os.makedirs(root)
@@ -128,7 +128,7 @@ def test_a_probe_that_could_not_run_is_asked_again(tmp_path):
         d = LocalDriver.from_url("file", root, {{}})
         w = d.open_writer("x/f")  # the first write starts the probe, which fails
         w.abort()
-        d._probe.result(timeout=30)
+        concurrent.futures.wait([d._probe], timeout=30)  # the background probe has failed
         try:
             d.has_noreplace
             print("answered while it could not probe")

@@ -68,8 +68,8 @@ def _renameat2_call(a: str, b: str, flags: int) -> int:
 
 
 #: per filesystem (``st_dev``) and process: the probe's answer, found in the background
-#: (None: the probe could not run, e.g. a read-only store or a full disk: ask again later)
-_PROBED: dict[int, concurrent.futures.Future[tuple[bool, bool] | None]] = {}
+#: (a probe that could not run, e.g. on a read-only store or a full disk, is not kept)
+_PROBED: dict[int, concurrent.futures.Future[tuple[bool, bool]]] = {}
 #: where the probe makes its directories (recovery removes those a killed probe left)
 PROBE_DIR = ".atomicstore"
 PROBE_PREFIX = ".probe-"
@@ -77,12 +77,12 @@ _PROBE_NAME = re.compile(r"\.probe-\d+-[0-9a-f]{8}[abc]")
 _PROBE_LOCK = threading.Lock()
 
 
-def _probe_in_background(root: str) -> concurrent.futures.Future[tuple[bool, bool] | None]:
+def _probe_in_background(root: str) -> concurrent.futures.Future[tuple[bool, bool]]:
     """:func:`probe_renameat2` of ``root``'s filesystem, once per filesystem and process,
     run in a thread: its mkdir/rename/rmdir round trips overlap the first save's data
     (nothing is renamed before the answer is in). Where it cannot run (a read-only store,
-    no space or inodes left) the answer is None, remembered by nobody: the driver probes
-    again when it first needs to rename."""
+    no space or inodes left) the future holds a :class:`StorageError` and is forgotten,
+    so the next call probes again."""
     try:
         dev = os.stat(root).st_dev
     except OSError:
@@ -98,11 +98,12 @@ def _probe_in_background(root: str) -> concurrent.futures.Future[tuple[bool, boo
     def run() -> None:
         try:
             fut.set_result(probe_renameat2(root))
-        except OSError:
-            with _PROBE_LOCK:  # not an answer for the filesystem: another store asks again
+        except OSError as exc:
+            with _PROBE_LOCK:  # not an answer for the filesystem: the next call asks again
                 if dev is not None and _PROBED.get(dev) is fut:
                     del _PROBED[dev]
-            fut.set_result(None)
+            fut.set_exception(StorageError(f"cannot probe {root} for renameat2 flags (needed to "
+                                           f"rename): {exc.strerror or exc}"))
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for it
             fut.set_exception(exc)
 
@@ -308,7 +309,7 @@ class LocalDriver(Driver):
         self._lock_depth = threading.local()
         self._flags: tuple[bool, bool] | None = None
         #: the background probe, started by the first write (a reader never probes)
-        self._probe: concurrent.futures.Future[tuple[bool, bool] | None] | None = None
+        self._probe: concurrent.futures.Future[tuple[bool, bool]] | None = None
         if os.environ.get("ATOMICSTORE_LOCAL_RENAMEAT2", "").lower() == "none":
             self._flags = (False, False)
         self._probe_pid = os.getpid()
@@ -326,19 +327,11 @@ class LocalDriver(Driver):
             if not self._probe.done() and os.getpid() != self._probe_pid:
                 # forked while the parent's probe ran: its thread does not exist here
                 self._probe, self._probe_pid = _probe_in_background(self.root), os.getpid()
-            found = self._probe.result()
-            if found is None:  # it could not run in the background: now, or say why
-                try:
-                    found = probe_renameat2(self.root)
-                except OSError as exc:
-                    raise StorageError(f"cannot probe {self.root} for renameat2 flags (needed to "
-                                       f"rename): {exc.strerror or exc}") from exc
-                with _PROBE_LOCK:
-                    done: concurrent.futures.Future[tuple[bool, bool] | None] = concurrent.futures.Future()
-                    done.set_result(found)
-                    with contextlib.suppress(OSError):
-                        _PROBED[os.stat(self.root).st_dev] = done
-            self._flags = found
+            try:
+                self._flags = self._probe.result()
+            except StorageError:  # it could not run in the background: once more, now
+                self._probe = _probe_in_background(self.root)
+                self._flags = self._probe.result()  # (still failing: the StorageError says why)
         return self._flags
 
     @property
