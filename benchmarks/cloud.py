@@ -208,27 +208,36 @@ def _s3fs(env: dict, endpoint: str) -> Any:
                              skip_instance_cache=True)
 
 
-def case_s3fs_save(env: dict, data: list[np.ndarray]) -> Any:
-    fs = _s3fs(env, env["endpoint"])
-    fs.ls(env["bucket"])  # the session (aiobotocore client) is made before timing
-    paths = [f"{env['bucket']}/{k}" for k in _keys("s3fs", len(data))]
-    blobs = {p: a.tobytes() for p, a in zip(paths, data, strict=True)}  # it takes bytes only
+def _fsspec_save(fs: Any, env: dict, name: str, data: list[np.ndarray]) -> Any:
+    """``fs.pipe`` of every object (s3fs and gcsfs take bytes only: made before timing)."""
+    fs.ls(env["bucket"])  # the session is made before timing
+    paths = [f"{env['bucket']}/{k}" for k in _keys(name, len(data))]
+    blobs = {p: a.tobytes() for p, a in zip(paths, data, strict=True)}
     return (lambda: fs.pipe(blobs)), None
 
 
-def case_s3fs_restore(env: dict, data: list[np.ndarray]) -> Any:
-    paths = [f"{env['bucket']}/{k}" for k in _keys("s3fs", len(data))]
-    _s3fs(env, env["direct"]).pipe({p: a.tobytes() for p, a in zip(paths, data, strict=True)})
-    fs = _s3fs(env, env["endpoint"])
+def _fsspec_restore(direct: Any, fs: Any, env: dict, name: str, data: list[np.ndarray], **one: Any) -> Any:
+    """Objects written through ``direct`` (unshaped), read back with ``fs.cat`` (one object:
+    ``cat_file(**one)``)."""
+    paths = [f"{env['bucket']}/{k}" for k in _keys(name, len(data))]
+    direct.pipe({p: a.tobytes() for p, a in zip(paths, data, strict=True)})
     fs.ls(env["bucket"])
 
     def run() -> list[bytes]:
         if len(paths) == 1:
-            return [fs.cat_file(paths[0])]
+            return [fs.cat_file(paths[0], **one)]
         out = fs.cat(paths)
         return [out[p] for p in paths]
 
     return run, lambda out: _check(out, data)
+
+
+def case_s3fs_save(env: dict, data: list[np.ndarray]) -> Any:
+    return _fsspec_save(_s3fs(env, env["endpoint"]), env, "s3fs", data)
+
+
+def case_s3fs_restore(env: dict, data: list[np.ndarray]) -> Any:
+    return _fsspec_restore(_s3fs(env, env["direct"]), _s3fs(env, env["endpoint"]), env, "s3fs", data)
 
 
 def _crt(env: dict, endpoint: str) -> Any:
@@ -286,26 +295,12 @@ def _gcsfs(env: dict, endpoint: str) -> Any:
 
 
 def case_gcsfs_save(env: dict, data: list[np.ndarray]) -> Any:
-    fs = _gcsfs(env, env["endpoint"])
-    fs.ls(env["bucket"])  # the session is made before timing
-    paths = [f"{env['bucket']}/{k}" for k in _keys("gcsfs", len(data))]
-    blobs = {p: a.tobytes() for p, a in zip(paths, data, strict=True)}  # it takes bytes only
-    return (lambda: fs.pipe(blobs)), None
+    return _fsspec_save(_gcsfs(env, env["endpoint"]), env, "gcsfs", data)
 
 
 def case_gcsfs_restore(env: dict, data: list[np.ndarray]) -> Any:
-    paths = [f"{env['bucket']}/{k}" for k in _keys("gcsfs", len(data))]
-    _gcsfs(env, env["direct"]).pipe({p: a.tobytes() for p, a in zip(paths, data, strict=True)})
-    fs = _gcsfs(env, env["endpoint"])
-    fs.ls(env["bucket"])
-
-    def run() -> list[bytes]:
-        if len(paths) == 1:
-            return [fs.cat_file(paths[0], concurrency=CONCURRENCY)]
-        out = fs.cat(paths)
-        return [out[p] for p in paths]
-
-    return run, lambda out: _check(out, data)
+    return _fsspec_restore(_gcsfs(env, env["direct"]), _gcsfs(env, env["endpoint"]), env, "gcsfs", data,
+                           concurrency=CONCURRENCY)
 
 
 def _gcs_bucket(env: dict, endpoint: str) -> Any:
