@@ -524,7 +524,10 @@ def test_row13_racing_marker_puts_with_409_one_wins_the_loser_leaks_nothing(
     request: pytest.FixtureRequest, tmp_path: Any
 ) -> None:
     backend = make_backend("s3", request, tmp_path)
-    first, second = backend.open(retry=PATIENT), backend.open(retry=PATIENT)
+    # B's retries of its 409 must outlast A's 4 s stall (40 tries of <= 0.2 s did not
+    # always, under load): a budget bounded by time, not by a count that load shortens
+    outlasting = atomicstore.RetryPolicy(attempts=1000, initial_wait=0.05, max_wait=0.2, deadline=30)
+    first, second = backend.open(retry=PATIENT), backend.open(retry=outlasting)
     a = first.transaction("step_2")
     a.write_bytes("state.bin", b"A" * 100)
     b = second.transaction("step_2")
