@@ -225,20 +225,25 @@ def test_zombie_cannot_commit_over_its_replacement(kind, same_name, request, tmp
 def test_flax_layout_leftovers(backend):
     """flax's legacy commit: write <prefix>tmp (and <prefix>tmp_gda), then rename to
     <prefix><step> (and <prefix><step>_gda). A crash between the renames leaves an
-    orphaned _gda directory; recovery with flax_prefix removes it and the staging."""
+    orphaned _gda directory; recovery with flax_prefix removes it and the staging
+    directory. A file named <prefix>tmp stays: it may as well be a one-file checkpoint of
+    that name (issue 21, row 8), and flax overwrites its own on its next save; so does a
+    _gda directory whose step is not a number (flax's steps are)."""
     store = backend.open()
     d = store.driver
     d.put("checkpoint_1", b"committed step 1")  # flax: one msgpack file per step
     d.put("checkpoint_1_gda/shard0", b"gda of step 1")  # belongs to a committed step
     d.put("checkpoint_2_gda/shard0", b"orphan")  # its checkpoint_2 never got renamed
+    d.put("checkpoint_best_gda/shard0", b"not a step")
     d.put("checkpoint_tmp", b"half-written")
     d.put("checkpoint_tmp_gda/shard0", b"half")
     d.put("other_tmp", b"not ours: another prefix")
     assert not store.recover(flax_prefix="checkpoint_", grace=3600).actions  # could be in flight
     report = store.recover(flax_prefix="checkpoint_", now=FUTURE)
     assert sorted(a.target for a in report.actions if a.kind == "flax") == [
-        "checkpoint_2_gda", "checkpoint_tmp", "checkpoint_tmp_gda"]
-    assert set(d.find("")) == {"checkpoint_1", "checkpoint_1_gda/shard0", "other_tmp"}
+        "checkpoint_2_gda", "checkpoint_tmp_gda"]
+    assert set(d.find("")) == {"checkpoint_1", "checkpoint_1_gda/shard0", "checkpoint_best_gda/shard0",
+                               "checkpoint_tmp", "other_tmp"}
     assert not store.recover(flax_prefix="checkpoint_", now=FUTURE).actions
     with pytest.raises(atomicstore.InvalidArgumentError):
         store.recover(flax_prefix="a/b")

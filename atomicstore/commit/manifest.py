@@ -24,8 +24,17 @@ from .names import validate_name, validate_path
 
 MANIFEST_FORMAT = "atomicstore.manifest/1"
 MARKER_FORMAT = "atomicstore.marker/1"
-#: Largest manifest or marker accepted when reading (bytes).
+#: Largest manifest (bytes): one limit for writers, which refuse to commit a larger one
+#: (:class:`~atomicstore.InvalidArgumentError` before anything is published), and readers,
+#: which refuse to parse one (:class:`~atomicstore.CorruptionError`).
 MAX_MANIFEST_BYTES = 64 * 2**20
+#: Bytes of a manifest kept for its header and file list; its metadata may take the rest.
+MANIFEST_RESERVE = 64 * 2**10
+#: Largest metadata a checkpoint can carry: bytes of its JSON as the manifest stores it.
+MAX_METADATA_BYTES = MAX_MANIFEST_BYTES - MANIFEST_RESERVE
+#: Deepest nesting of objects and arrays in metadata (readers parse it without
+#: reaching Python's recursion limit).
+MAX_METADATA_DEPTH = 100
 MAX_MARKER_BYTES = 64 * 2**10
 
 
@@ -185,7 +194,11 @@ class Manifest:
         return sum(f.size for f in self.files.values())
 
     def to_bytes(self) -> bytes:
-        """The manifest as the JSON document stored in ``manifest.json`` (CRC32Cs in hex)."""
+        """The manifest as the JSON document stored in ``manifest.json`` (CRC32Cs in hex):
+        the header's fields, then ``files`` with one line per file, then ``metadata`` on
+        one line (as :func:`encode_metadata` gives it, so its size is known before the
+        manifest is written). The size limit is the committer's to check
+        (:data:`MAX_MANIFEST_BYTES`)."""
         doc = {
             "format": MANIFEST_FORMAT,
             "name": self.name,
@@ -193,12 +206,14 @@ class Manifest:
             "writer": self.writer,
             "created": self.created,
             **({"committed": self.committed} if self.committed is not None else {}),
-            "files": {
-                p: {"size": e.size, "crc32c": f"{e.crc32c:08x}"} for p, e in sorted(self.files.items())
-            },
-            "metadata": self.metadata,
         }
-        return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
+        head = json.dumps(doc, indent=1, sort_keys=True, allow_nan=False)
+        quote = json.encoder.encode_basestring_ascii  # (what json.dumps does to a str)
+        files = ",\n".join(f'  {quote(p)}: {{"crc32c": "{e.crc32c:08x}", "size": {int(e.size)}}}'
+                            for p, e in sorted(self.files.items()))
+        meta = json.dumps(self.metadata, sort_keys=True, allow_nan=False)
+        body = f"{{\n{files}\n }}" if files else "{}"
+        return f'{head[:-2]},\n "files": {body},\n "metadata": {meta}\n}}'.encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
@@ -299,6 +314,44 @@ class Marker:
             float(doc["committed"]),
             replaces,
         )
+
+
+def encode_metadata(metadata: Any, *, what: str = "metadata", depth: int = MAX_METADATA_DEPTH,
+                    limit: int = MAX_METADATA_BYTES) -> str:
+    """The JSON text ``metadata`` takes in a manifest (compact, keys sorted).
+
+    Raises :class:`~atomicstore.InvalidArgumentError` naming ``what`` unless it is a dict
+    of JSON values (finite numbers only), nested at most ``depth`` levels deep, whose JSON
+    takes at most ``limit`` bytes: what a reader of the manifest accepts."""
+    if not isinstance(metadata, dict):
+        raise InvalidArgumentError(f"{what} must be a dict of JSON values, not {type(metadata).__name__}")
+    try:
+        text = json.dumps(metadata, sort_keys=True, allow_nan=False)
+    except RecursionError:
+        raise InvalidArgumentError(f"{what} is nested deeper than {depth} levels") from None
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"{what} must hold JSON values only (nothing executable is "
+                                   f"stored): {exc}") from None
+    if len(text) > limit:  # (ASCII: json.dumps escapes everything else)
+        raise InvalidArgumentError(
+            f"{what} takes {len(text):,} bytes as JSON, over the {limit:,} it may take "
+            f"(readers refuse manifests over {MAX_MANIFEST_BYTES:,} bytes)"
+        )
+    if metadata_depth(metadata) > depth:
+        raise InvalidArgumentError(f"{what} is nested deeper than {depth} levels")
+    return text
+
+
+def metadata_depth(value: Any) -> int:
+    """How deeply objects and arrays nest in ``value`` (JSON values, or any acyclic
+    structure; iterative, so any depth is measured)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        deepest = max(deepest, d)
+        kids = v.values() if isinstance(v, dict) else v
+        todo.extend((k, d + 1) for k in kids if isinstance(k, dict | list | tuple))
+    return deepest
 
 
 def sha256(data: bytes) -> str:

@@ -18,6 +18,8 @@ RESERVED_DIR = ".atomicstore"
 MANIFEST_FILE = "manifest.json"
 MARKER_FILE = "commit_success.txt"
 RESERVED_FILES = frozenset({MANIFEST_FILE, MARKER_FILE})
+#: The directory of one save attempt inside a checkpoint (marker strategy): ``attempt-<id>``.
+ATTEMPT_DIR_PREFIX = "attempt-"
 
 _NAME = re.compile(r"[A-Za-z0-9_+=-][A-Za-z0-9_.+=-]{0,199}")
 _COMPONENT_BAD = re.compile(r"[\x00-\x1f\x7f\\]")
@@ -58,6 +60,32 @@ def validate_path(path: object, *, what: str = "file path", allow_reserved: bool
             )
     if not allow_reserved and (path in RESERVED_FILES or path.split("/")[0] == RESERVED_DIR):
         raise InvalidArgumentError(f"{what} {path!r} is reserved by atomicstore")
+    return path
+
+
+def reserved_component(path: str) -> str | None:
+    """The first component of the ``/``-separated ``path`` that atomicstore's layout
+    reserves (its ``.atomicstore`` directory, a commit marker, a manifest, a save's
+    ``attempt-*`` directory), or None. Writing such a component would forge or damage a
+    checkpoint (e.g. ``x/commit_success.txt`` makes ``x`` look committed)."""
+    for part in path.split("/"):
+        if part == RESERVED_DIR or part in RESERVED_FILES or part.startswith(ATTEMPT_DIR_PREFIX):
+            return part
+    return None
+
+
+def validate_writable(path: object, *, what: str = "path") -> str:
+    """:func:`validate_path` for a name or path a public store method writes or deletes at
+    the store root, also refusing every component :func:`reserved_component` names.
+    (Whether its first component is a committed checkpoint is the store's to check.)"""
+    validate_path(path, what=what, allow_reserved=True)
+    assert isinstance(path, str)
+    part = reserved_component(path)
+    if part is not None:
+        raise InvalidArgumentError(
+            f"{what} {path!r} is reserved by atomicstore ({part!r} belongs to its checkpoint layout: "
+            "a commit marker, a manifest, a save attempt or its .atomicstore directory)"
+        )
     return path
 
 

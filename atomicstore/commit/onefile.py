@@ -22,6 +22,7 @@ appearing under its name is the commit point:
 from __future__ import annotations
 
 import logging
+import os
 import posixpath
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -60,8 +61,13 @@ class OneFileCommit:
         if not isinstance(overwrite, bool):
             raise InvalidArgumentError("overwrite must be a bool")
         self.store, self.name, self.overwrite = store, name, overwrite
+        #: the process that began the commit: only it may write, commit or abort it
+        self.pid = os.getpid()
         self.attempt = new_attempt_id()
         self.bytes_written = 0
+        #: once committed: the generation of the file this commit made visible (its own,
+        #: whatever replaced it since), or None where the backend did not say
+        self.generation: str | None = None
         self._done = False
         d = store.driver
         self.staged = d.capabilities.atomic_rename
@@ -83,6 +89,14 @@ class OneFileCommit:
             self._lease.release()
             raise
 
+    def _check_owner(self, what: str) -> None:
+        """:class:`~atomicstore.TransactionError` in a forked child: the upload is the parent's."""
+        if os.getpid() != self.pid:
+            raise TransactionError(
+                f"cannot {what} {self.name!r}: this transaction belongs to process {self.pid}; "
+                "a forked child cannot commit or abort it (begin a new one in this process)"
+            )
+
     def _generation(self) -> str | None:
         try:
             return self.store.driver.info(self.name).generation
@@ -103,6 +117,8 @@ class OneFileCommit:
     def write(
         self, data: bytes | bytearray | memoryview, *, crc32c: int | None = None, borrow: bool = False
     ) -> int:
+        """Append ``data`` to the file."""
+        self._check_owner("write to")
         if self._done:
             raise TransactionError(f"{self.name!r} is already committed or aborted")
         if borrow:
@@ -115,6 +131,7 @@ class OneFileCommit:
 
     def commit(self) -> None:
         """Close the file and make it visible under its name (the commit point)."""
+        self._check_owner("commit")
         if self._done:
             raise TransactionError(f"{self.name!r} is already committed or aborted")
         self._done = True
@@ -124,10 +141,12 @@ class OneFileCommit:
             if self.staged:
                 self._w.close()  # durable (fsync)
                 self._lease.check()
+                generation = d.info(self.key).generation  # (rename and exchange keep it)
                 replaced = self._swap_in()
             else:
                 self._lease.check()
                 self._w.close()  # the upload completes, if the precondition holds
+                generation = self._w.generation
         except LeaseLostError:  # (a CommitConflictError: caught first)
             self._cleanup()
             raise
@@ -147,6 +166,7 @@ class OneFileCommit:
             else:
                 self._cleanup()  # an unfinished upload is invisible: abort it
             raise
+        self.generation = generation
         if replaced:  # the old file now sits at the staging key
             try:
                 d.delete(self.key)
@@ -184,6 +204,7 @@ class OneFileCommit:
 
     def abort(self) -> None:
         """Discard what was written; nothing becomes visible. Idempotent."""
+        self._check_owner("abort")
         if self._done:
             return
         self._done = True
@@ -193,6 +214,10 @@ class OneFileCommit:
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if os.getpid() != self.pid:  # a forked child: storage is the parent's, left alone
+            if et is None:
+                self._check_owner("commit")
+            return
         if et is None:
             self.commit()
         else:

@@ -16,6 +16,11 @@ Committed data is never read. The rules, in ``docs/recovery.md``:
   temporary files of single-file writes, and unfinished multipart uploads of dead
   attempts (S3).
 
+* **Scope**: only names of the commit strategy's own layout (staging, trash, leases,
+  ``<name>/attempt-<id>/``, its uploads, its driver's temporaries), never a name pattern a
+  user's checkpoint can also have (a committed checkpoint named ``checkpoint_tmp`` stays),
+  never keys of another store nested below the root or the user's own.
+
 Every removal is idempotent, so several processes may recover the same store at once.
 """
 
@@ -23,14 +28,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import CorruptionError, NotFoundError, PreconditionFailedError
+from ..errors import CorruptionError, InvalidArgumentError, NotFoundError, PreconditionFailedError
 from .lease import LEASES, lease_key, parse_lease_key, read_lease_ttl
-from .names import MANIFEST_FILE, MARKER_FILE, RESERVED_DIR
+from .manifest import Manifest
+from .names import MANIFEST_FILE, MARKER_FILE, RESERVED_DIR, validate_name
 from .strategies import ATTEMPT_PREFIX, STAGING, TRASH, MarkerStrategy, RenameStrategy
 
 if TYPE_CHECKING:
@@ -42,7 +49,13 @@ log = logging.getLogger("atomicstore.recovery")
 #: Default grace period (seconds) before unleased, unreferenced data counts as stale.
 DEFAULT_GRACE = 120.0
 
-_PUT_TMP = re.compile(r"(^|/)\.[^/]+\.put-\d+-[0-9a-f]{12}$")
+#: an attempt id as :func:`~atomicstore.commit.strategies.new_attempt_id` makes it
+_ATTEMPT_ID = re.compile(r"\d{8}T\d{6}-[0-9a-f]{12}")
+#: the files of ``compat.flax``'s multi-process ``<prefix><step>_gda`` checkpoint
+#: (``ARRAYS_FILE`` and ``gda_file`` there): the only committed checkpoint recovery ever
+#: un-publishes, and only when its main file is absent
+_GDA_ARRAYS = "arrays.json"
+_GDA_SHARD = re.compile(r"a\d+/\d+(?:_\d+)*\.bin")
 #: a temporary file of a single-file write lives for one write: one older than this (and
 #: than ``grace``) is stale whatever ``grace`` says (``recover(grace=0)`` must not remove
 #: the temporary of a write in progress)
@@ -91,32 +104,77 @@ class _Attempt:
     newest: float = 0.0
 
 
-def _flax_leftovers(listing: dict[str, FileInfo], tops: set[str], prefix: str) -> dict[str, float]:
-    """Top-level entries of flax's legacy layout that are provably uncommitted, with the
-    newest modification time of their contents: ``<prefix>tmp`` and ``<prefix>tmp_gda``
-    (staging of flax's two-rename commit), and ``<prefix><step>_gda`` whose
-    ``<prefix><step>`` does not exist (a crash between the two renames, or between the
-    two deletes)."""
-    newest: dict[str, float] = defaultdict(float)
-    for key, info in listing.items():
-        top = key.split("/", 1)[0]
-        newest[top] = max(newest[top], info.mtime or 0.0)
-    out: dict[str, float] = {}
+def _valid_name(name: str) -> bool:
+    try:
+        validate_name(name)
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+def _claimed_dirs(listing: dict[str, FileInfo]) -> set[str]:
+    """Directories below the root that hold the names of a checkpoint or of a store: a
+    commit marker, a manifest, or a reserved directory (another store nested there, a
+    checkpoint, an attempt). Recovery removes nothing in them or above them by a name
+    pattern (flax leftovers, temporaries): they are somebody's committed data or layout."""
+    out: set[str] = set()
+    for key in listing:
+        parts = key.split("/")
+        if len(parts) > 1 and parts[-1] in (MARKER_FILE, MANIFEST_FILE):
+            out.add("/".join(parts[:-1]))
+        for i in range(1, len(parts) - 1):
+            if parts[i] == RESERVED_DIR:
+                out.add("/".join(parts[:i]))
+    return out
+
+
+def _store_roots(listing: dict[str, FileInfo]) -> set[str]:
+    """Directories below the root with a reserved directory of their own: other stores'
+    roots (a key inside this store's checkpoints never has one at its top)."""
+    out: set[str] = set()
+    for key in listing:
+        parts = key.split("/")
+        out.update("/".join(parts[:i]) for i in range(1, len(parts) - 1) if parts[i] == RESERVED_DIR)
+    return out
+
+
+def _is_flax_gda(manifest: Manifest) -> bool:
+    """True for the layout of ``compat.flax``'s ``_gda`` checkpoint: ``arrays.json`` and
+    shard files ``a<n>/<start>.bin``, nothing else."""
+    files = set(manifest.files)
+    return _GDA_ARRAYS in files and all(f == _GDA_ARRAYS or _GDA_SHARD.fullmatch(f) for f in files)
+
+
+def _flax_leftovers(tops: set[str], prefix: str) -> set[str]:
+    """Top-level names of flax's legacy layout that may be its leftovers:
+    ``<prefix>tmp`` and ``<prefix>tmp_gda`` (staging of flax's two-rename commit), and
+    ``<prefix><step>_gda`` (a number as step) whose ``<prefix><step>`` does not exist (a
+    crash between the two renames, or between the two deletes). Only candidates: what
+    each is, is decided from storage (:meth:`_Recovery.flax`)."""
+    out: set[str] = set()
     for top in tops:
         if not top.startswith(prefix):
             continue
         rest = top[len(prefix):]
-        if rest in ("tmp", "tmp_gda") or (
-            rest.endswith("_gda") and rest[:-4] and not rest.startswith("tmp")
-            and f"{prefix}{rest[:-4]}" not in tops
-        ):
-            out[top] = newest.get(top, 0.0)
+        if rest in ("tmp", "tmp_gda"):
+            out.add(top)
+        elif rest.endswith("_gda") and f"{prefix}{rest[:-4]}" not in tops:
+            try:
+                float(rest[:-4])
+            except ValueError:
+                continue
+            out.add(top)
     return out
 
 
 def recover(store: Store, *, dry_run: bool = False, grace: float | None = None,
             now: float | None = None, flax_prefix: str | None = None) -> RecoveryReport:
     """See :meth:`atomicstore.Store.recover`."""
+    if not isinstance(dry_run, bool):
+        raise InvalidArgumentError(f"dry_run must be a bool, not {dry_run!r}")
+    if now is not None and (isinstance(now, bool) or not isinstance(now, int | float) or math.isnan(now)):
+        # (NaN compares false with everything: every lease would look expired)
+        raise InvalidArgumentError(f"now must be Unix seconds as a number, not {now!r}")
     return _Recovery(store, dry_run, DEFAULT_GRACE if grace is None else grace,
                      store.clock() if now is None else now).run(flax_prefix)
 
@@ -283,6 +341,9 @@ class _Recovery:
         trash: dict[str, list[str]] = defaultdict(list)
         temps: list[tuple[str, float]] = []
         markers: set[str] = set()
+        #: directories below the root that are another store's root (its reserved
+        #: directory shows in the listing while it has leases or staged files)
+        nested = _store_roots(listing)
 
         def add_attempt(name: str, attempt: str, prefix: str, key: str, mtime: float | None) -> None:
             a = attempts.setdefault((name, attempt), _Attempt(name, attempt, prefix))
@@ -290,7 +351,7 @@ class _Recovery:
             a.newest = max(a.newest, mtime if mtime is not None else now)
 
         for key, info in listing.items():
-            if _PUT_TMP.search(key) and not key.startswith((STAGING + "/", TRASH + "/")) and (
+            if d.is_temporary(key) and not key.startswith((STAGING + "/", TRASH + "/")) and (
                     f"/{ATTEMPT_PREFIX}" not in key):
                 temps.append((key, info.mtime or now))  # (never a file staged by a save)
             elif key.startswith(RESERVED_DIR + "/"):
@@ -305,11 +366,14 @@ class _Recovery:
                     trash[f"{TRASH}/{key[len(TRASH) + 1 :].split('/', 1)[0]}"].append(key)
             elif self.marker_mode:
                 name, _, rest = key.partition("/")
+                if not _valid_name(name) or name in nested:
+                    continue  # never this store's name, or another store's root
                 if rest == MARKER_FILE:
                     markers.add(name)
                 elif rest.startswith(ATTEMPT_PREFIX):
                     attempt = rest[len(ATTEMPT_PREFIX) :].split("/", 1)[0]
-                    add_attempt(name, attempt, f"{name}/{ATTEMPT_PREFIX}{attempt}", key, info.mtime)
+                    if self.own_attempt(name, attempt, listing, nested):
+                        add_attempt(name, attempt, f"{name}/{ATTEMPT_PREFIX}{attempt}", key, info.mtime)
 
         if d.capabilities.directories:  # empty directories do not show up in a listing of files
             for e in d.listdir(STAGING):
@@ -348,12 +412,15 @@ class _Recovery:
         for prefix, keys in sorted(trash.items()):
             self.act("trash", prefix, "interrupted delete", len(keys), tree=True)
 
+        claimed = _claimed_dirs(listing)
         if flax_prefix is not None:
-            self.flax(listing, flax_prefix)
+            self.flax(listing, flax_prefix, claimed)
 
         for key, mtime in temps:
-            # only our own temporaries of single-file writes, never inside a checkpoint
-            if mtime + max(grace, TEMP_MIN_AGE) < now and key.split("/", 1)[0] not in committed:
+            # only this driver's temporaries of single-file writes, never inside a
+            # checkpoint, an attempt or another store's root
+            if mtime + max(grace, TEMP_MIN_AGE) < now and key.split("/", 1)[0] not in committed and (
+                    not self.foreign(key, claimed)):
                 self.act("temp", key, f"temporary file older than {max(grace, TEMP_MIN_AGE):.0f}s")
 
         for key in d.stray_leftovers(max(grace, TEMP_MIN_AGE)):
@@ -361,52 +428,130 @@ class _Recovery:
                      f"{max(grace, TEMP_MIN_AGE):.0f}s", tree=True)
 
         if d.capabilities.multipart_uploads:
-            self.uploads()
+            self.uploads(listing, nested)
 
         if self.report.actions:
             log.info("%s", self.report.summary())
         return self.report
 
-    def uploads(self) -> None:
-        """Abort unfinished multipart uploads whose save is dead: the attempt's lease (or,
-        for a one-file upload to ``<name>``, every lease of that name) is not alive now,
-        and the upload is older than ``grace``."""
+    @staticmethod
+    def own_attempt(name: str, attempt: str, listing: dict[str, FileInfo], nested: set[str]) -> bool:
+        """True if ``<name>/attempt-<attempt>/`` is in this store's own layout: the id is
+        an attempt id, no commit marker sits at its top (then it is a checkpoint named like
+        an attempt, of a store nested at ``<name>``), and neither it nor ``<name>`` is
+        another store's root."""
+        prefix = f"{name}/{ATTEMPT_PREFIX}{attempt}"
+        return bool(_ATTEMPT_ID.fullmatch(attempt)) and f"{prefix}/{MARKER_FILE}" not in listing and (
+            name not in nested and prefix not in nested)
+
+    def foreign(self, key: str, claimed: set[str]) -> bool:
+        """True if a directory above ``key`` (below the root, outside this store's reserved
+        directory) holds a checkpoint's or another store's names (:func:`_claimed_dirs`;
+        on backends with directories also an empty reserved directory)."""
+        if key.startswith(RESERVED_DIR + "/"):
+            return False
+        parts = key.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            up = "/".join(parts[:i])
+            if up in claimed or (self.d.capabilities.directories and self.d.exists(f"{up}/{RESERVED_DIR}")):
+                return True
+        return False
+
+    def uploads(self, listing: dict[str, FileInfo], nested: set[str]) -> None:
+        """Abort unfinished multipart uploads of this store whose save is dead: the
+        attempt's lease (or, for a one-file upload to ``<name>``, every lease of that
+        name) is not alive now, and the upload is older than ``grace``. Where the backend
+        lists every upload below the root (S3), only uploads at keys of this store's own
+        layout are its own: ``<name>/attempt-<id>/…`` (see :meth:`own_attempt`) and a
+        one-file checkpoint's ``<name>`` (a valid name right below the root); a nested
+        store's uploads and the user's own elsewhere below the root are never touched."""
+        own_only = self.d.own_uploads
         for key, upload_id, started in self.d.list_incomplete_uploads(""):
             if started + self.grace > self.now:
                 continue
             name, _, rest = key.partition("/")
+            ours = own_only or (_valid_name(name) and name not in nested)
             if rest.startswith(ATTEMPT_PREFIX):
                 attempt = rest[len(ATTEMPT_PREFIX) :].split("/", 1)[0]
+                if not (own_only or (ours and self.own_attempt(name, attempt, listing, nested))):
+                    continue
                 if self.lease_state(name, attempt)[0] == "alive":
                     continue
+            elif not (own_only or (ours and not rest)):
+                continue  # not a key of this store's layout
             elif self.live_lease_of({key}):
                 continue  # a one-file save in flight
             self.report.actions.append(RecoveryAction("upload", f"{key} ({upload_id})", "unfinished multipart upload"))
             if not self.dry_run:
                 self.d.abort_upload(key, upload_id)
 
-    def flax(self, listing: dict[str, FileInfo], prefix: str) -> None:
-        """flax's own leftovers: ``<prefix>tmp``/``<prefix>tmp_gda`` staging, and
-        ``<prefix><step>_gda`` whose main file does not exist, re-checked afresh (main
-        file absent, no live lease of the step or its ``_gda``) right before removal."""
-        d = self.d
+    def flax(self, listing: dict[str, FileInfo], prefix: str, claimed: set[str]) -> None:
+        """flax's own leftovers (:func:`_flax_leftovers`), each decided from storage: a
+        committed checkpoint of any name is never removed (a ``_gda`` of
+        ``compat.flax``'s multi-process layout whose main file is absent is un-published,
+        at the generation read); a name with a live lease is in flight; a file may be a
+        one-file checkpoint (``<prefix>tmp`` is a valid name) and is left; a tree holding
+        a marker, a manifest, a reserved directory or attempts of this store is not
+        flax's; what is left, older than ``grace``, with the main file of a ``_gda``
+        still absent, is removed."""
+        d, strategy = self.d, self.store.strategy
         tops = {k.split("/", 1)[0] for k in listing}
         if d.capabilities.directories:
             tops |= {e.name for e in d.listdir("")}
-        for top, newest in sorted(_flax_leftovers(listing, tops, prefix).items()):
+        for top in sorted(_flax_leftovers(tops, prefix)):
             staging = top[len(prefix):].startswith("tmp")
-            main = top[: -len("_gda")]
-            if newest + self.grace > self.now or (
-                not staging and (self.live_lease_of({main, top}) or d.exists(main))
-            ):
+            main = None if staging else top[: -len("_gda")]
+            keys = [k for k in listing if k.startswith(top + "/")]
+            if top in listing or (not keys and not d.capabilities.directories):
+                continue  # a file: flax's staging, or a one-file checkpoint of that name
+            newest = max((listing[k].mtime or 0.0 for k in keys), default=0.0)
+            names = {top} | ({main} if main else set())
+            generation = strategy.current(top)
+            if generation is not None:  # committed: never removed, but for one case
+                if main is not None and not generation.startswith("unreadable:") and not self.busy(names, newest):
+                    self.gda_orphan(top, main, generation)
+                continue
+            if self.busy(names, newest):
                 self.report.in_flight.append(top)
                 continue
+            if top in claimed or any(c.startswith(top + "/") for c in claimed) or any(
+                    k.split("/")[1].startswith(ATTEMPT_PREFIX) for k in keys) or (
+                    d.capabilities.directories and d.exists(f"{top}/{RESERVED_DIR}")):
+                continue  # holds a checkpoint's, an attempt's or another store's names
+            if main is not None and d.exists(main):
+                continue  # the main file appeared meanwhile
             what = "flax staging" if staging else "orphaned _gda directory"
-            if not staging and not self.dry_run and self.store.strategy.current(top) is not None:
-                try:  # our own committed _gda: un-publish first (the generation just read)
-                    self.store.strategy.unpublish(top)
-                    self.report.actions.append(RecoveryAction("flax", top, f"{what} (uncommitted main file)"))
-                    continue
-                except (NotFoundError, PreconditionFailedError):
-                    continue  # changed meanwhile: leave it to the next pass
-            self.remove_tree("flax", top, f"{what} (uncommitted)", 1)
+            if isinstance(strategy, RenameStrategy):
+                self.remove_tree("flax", top, f"{what} (uncommitted)", len(keys))
+                continue
+            # object stores: the keys listed, not the prefix (a save of that name starting
+            # now writes keys of its own there)
+            self.report.actions.append(RecoveryAction("flax", top, f"{what} (uncommitted)", len(keys)))
+            if not self.dry_run:
+                for k in keys:
+                    d.delete(k)
+
+    def busy(self, names: set[str], newest: float) -> bool:
+        """True if something was written below these names within ``grace``, or a lease
+        of one of them is alive (listed and read afresh)."""
+        return newest + self.grace > self.now or self.live_lease_of(names)
+
+    def gda_orphan(self, top: str, main: str, generation: str) -> None:
+        """Un-publish the committed ``_gda`` checkpoint ``top`` of ``compat.flax``'s
+        multi-process save if its main file ``main`` is absent (a crash between the two
+        commits), recognised by its files; at ``generation``, so a newer save of that name
+        is never removed. Any other committed checkpoint is left."""
+        try:
+            _, raw = self.store.strategy.resolve(top)
+            manifest = Manifest.from_bytes(raw, where=self.d.describe(top))
+        except (NotFoundError, CorruptionError):
+            return
+        if manifest.attempt != generation or not _is_flax_gda(manifest) or self.d.exists(main):
+            return
+        what = "orphaned _gda checkpoint of a multi-process save (no main file)"
+        if not self.dry_run:
+            try:
+                self.store.strategy.unpublish(top, if_generation=generation)
+            except (NotFoundError, PreconditionFailedError):
+                return  # changed meanwhile: leave it to the next pass
+        self.report.actions.append(RecoveryAction("flax", top, what))

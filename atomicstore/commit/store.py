@@ -16,11 +16,33 @@ from typing import Any
 
 from ..drivers import get_driver
 from ..drivers.base import Driver
-from ..errors import AlreadyExistsError, ChecksumMismatchError, InvalidArgumentError, NotFoundError
+from ..errors import (
+    AlreadyExistsError,
+    ChecksumMismatchError,
+    CorruptionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PreconditionFailedError,
+)
 from ..retry import RetryPolicy
 from .lease import DEFAULT_LEASE_TTL
-from .manifest import Crc32cHasher, FileEntry, Manifest, crc32c, crc32c_combine
-from .names import natural_sort, validate_name, validate_path
+from .manifest import (
+    MAX_MANIFEST_BYTES,
+    Crc32cHasher,
+    FileEntry,
+    Manifest,
+    Marker,
+    crc32c,
+    crc32c_combine,
+)
+from .names import (
+    MANIFEST_FILE,
+    MARKER_FILE,
+    natural_sort,
+    validate_name,
+    validate_path,
+    validate_writable,
+)
 from .onefile import OneFileCommit
 from .recovery import DEFAULT_GRACE, RecoveryReport, recover
 from .strategies import CommitStrategy, choose_strategy, new_attempt_id
@@ -278,26 +300,35 @@ class Store:
         if not isinstance(overwrite, bool):
             raise InvalidArgumentError("overwrite must be a bool")
         validate_name(name)
+        validate_writable(name, what="checkpoint name")
         if metadata is not None and not isinstance(metadata, dict):
             raise InvalidArgumentError("metadata must be a dict of JSON values")
         if metadata:
             try:
                 json.dumps(metadata, allow_nan=False)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, RecursionError) as exc:
                 raise InvalidArgumentError(f"metadata is not JSON-serialisable: {exc}") from None
         return Transaction(self, name, metadata=metadata, attempt=new_attempt_id(), overwrite=overwrite)
 
     def one_file(self, name: str, *, overwrite: bool = False) -> OneFileCommit:
         """Stream a checkpoint that is a single file ``name`` (flax's legacy layout) and
         commit it atomically: see :class:`~atomicstore.commit.onefile.OneFileCommit`."""
+        validate_name(name)
+        validate_writable(name, what="checkpoint name")
         return OneFileCommit(self, name, overwrite=overwrite)
 
     def write_file(self, path: str, data: bytes, *, overwrite: bool = True) -> None:
         """Write one small file at the store root atomically: readers see the old content
         or the new, never a part. With ``overwrite=False`` an existing file is not
         replaced (:class:`~atomicstore.AlreadyExistsError`); a retry whose first try
-        landed (lost reply) is recognised by reading the file back."""
-        validate_path(path)
+        landed (lost reply) is recognised by reading the file back.
+
+        :class:`~atomicstore.InvalidArgumentError` for a path inside a committed
+        checkpoint, or with a component the checkpoint layout reserves (``.atomicstore``,
+        ``manifest.json``, ``commit_success.txt``, ``attempt-*``): such a write would
+        damage a checkpoint or forge one."""
+        validate_writable(path)
+        self._refuse_inside_checkpoint(path)
         if not isinstance(overwrite, bool):
             raise InvalidArgumentError("overwrite must be a bool")
         if not isinstance(data, bytes | bytearray | memoryview):
@@ -312,6 +343,19 @@ class Store:
             if self.driver.read(path) != data:
                 raise
             log.info("write of %s: reply lost, the file is ours", self.driver.describe(path))
+
+    def _refuse_inside_checkpoint(self, path: str) -> None:
+        """InvalidArgumentError if the first component of ``path`` is a committed
+        checkpoint (one request: its commit point; none for a file at the root)."""
+        first, sep, _ = path.partition("/")
+        if not sep:
+            return
+        point = f"{first}/{MANIFEST_FILE if self.strategy.kind == 'rename' else MARKER_FILE}"
+        if self.driver.exists(point):
+            raise InvalidArgumentError(
+                f"{self.driver.describe(path)} is inside committed checkpoint "
+                f"{self.driver.describe(first)}: a committed checkpoint is never written to"
+            )
 
     def read_file(self, path: str) -> bytes:
         """Read a file written by :meth:`write_file`."""
@@ -364,8 +408,37 @@ class Store:
 
     def verify(self, name: str) -> Manifest:
         """Re-check every file of ``name`` against its manifest (see
-        :meth:`Checkpoint.verify`)."""
-        return self.open(name).verify()
+        :meth:`Checkpoint.verify`). A failure is reported as damage
+        (:class:`~atomicstore.CorruptionError`, :class:`~atomicstore.ChecksumMismatchError`)
+        only if ``name`` still holds the attempt that was verified (its commit point is read
+        again); if another writer replaced or deleted it meanwhile,
+        :class:`~atomicstore.PreconditionFailedError` (verify it again), as restore does."""
+        try:
+            ckpt = self.open(name)
+        except CorruptionError:
+            # the marker read may name an attempt that a replacement removed right after:
+            # damage only if opening again, with the commit point unchanged, fails the same way
+            before = self.strategy.current(name)
+            try:
+                ckpt = self.open(name)
+            except (CorruptionError, NotFoundError) as exc:
+                now = self.strategy.current(name)
+                if now == before:
+                    raise
+                raise self._replaced_while_verified(name, before, now) from exc
+        try:
+            return ckpt.verify()
+        except (CorruptionError, NotFoundError) as exc:
+            now = self.strategy.current(name)
+            if now == ckpt.manifest.attempt:
+                raise  # still the checkpoint read: the damage is real
+            raise self._replaced_while_verified(name, ckpt.manifest.attempt, now) from exc
+
+    def _replaced_while_verified(self, name: str, read: str | None, now: str | None) -> PreconditionFailedError:
+        return PreconditionFailedError(
+            f"{self.driver.describe(name)} was replaced or deleted while it was being verified "
+            f"(attempt {read} was read, it holds {'attempt ' + now if now else 'nothing'} now): verify it again"
+        )
 
     # -- deleting -----------------------------------------------------------------------
     def delete(self, name: str, *, if_attempt: str | None = None) -> None:
@@ -380,7 +453,36 @@ class Store:
         validate_name(name)
         if if_attempt is not None and not isinstance(if_attempt, str):
             raise InvalidArgumentError("if_attempt must be a str")
+        validate_writable(name, what="checkpoint name")
         self.strategy.unpublish(name, if_generation=if_attempt)
+
+    def delete_one_file(self, name: str, *, if_generation: str | None = None) -> None:
+        """Delete the one-file checkpoint ``name`` (flax's legacy layout, committed by
+        :meth:`one_file`). The file is its own commit point, so one conditional delete
+        un-publishes and removes it: only the version read when the delete starts is
+        removed, or with ``if_generation`` (``driver.info(name).generation``, e.g. of the
+        version the caller checked) only that version;
+        :class:`~atomicstore.PreconditionFailedError` if ``name`` was replaced meanwhile
+        (nothing is deleted). :class:`~atomicstore.NotFoundError` if there is no file
+        ``name``; :class:`~atomicstore.InvalidArgumentError` if ``name`` is a committed
+        checkpoint of the native layout (delete that with :meth:`delete`). On a backend
+        without generations the delete is unconditional."""
+        validate_name(name)
+        if if_generation is not None and not isinstance(if_generation, str):
+            raise InvalidArgumentError("if_generation must be a str")
+        validate_writable(name, what="checkpoint name")
+        if self.exists(name):
+            raise InvalidArgumentError(
+                f"{self.driver.describe(name)} is a committed checkpoint, not a one-file checkpoint: "
+                "delete it with Store.delete"
+            )
+        found = self.driver.info(name).generation  # NotFoundError: no file (or a directory)
+        if if_generation is not None and found != if_generation:
+            raise PreconditionFailedError(
+                f"{self.driver.describe(name)} changed since it was read (expected generation "
+                f"{if_generation}, found {found}): nothing deleted"
+            )
+        self.driver.delete(name, if_generation=found)
 
     # -- recovery -----------------------------------------------------------------------
     def recover(
@@ -462,6 +564,7 @@ def open_store(
         **storage_options: passed to the fsspec filesystem unchanged (endpoint,
             credentials, anon...). Credentials never appear in logs or errors.
     """
+    _refuse_reserved_root(url_or_path)
     driver = get_driver(
         url_or_path,
         storage_options=storage_options,
@@ -470,4 +573,54 @@ def open_store(
         block_size=block_size,
         max_inflight_bytes=max_inflight_bytes,
     )
+    try:
+        _refuse_root_inside_checkpoint(driver)
+    except BaseException:
+        driver.close()
+        raise
     return Store(driver, writer_id=writer_id, lease_ttl=lease_ttl, grace=grace, clock=clock)
+
+
+def _refuse_reserved_root(url_or_path: Any) -> None:
+    """InvalidArgumentError for a store root inside another store's reserved layout (its
+    ``.atomicstore`` directory, a save's ``attempt-*`` files): checked on the URL alone,
+    no request. What another store's recovery removes there is not ours to commit."""
+    if isinstance(url_or_path, os.PathLike):
+        url_or_path = os.fspath(url_or_path)
+    if not isinstance(url_or_path, str):
+        return  # get_driver reports the argument
+    path = url_or_path.split("://", 1)[-1]
+    for part in path.replace(os.sep, "/").split("/"):
+        if part == ".atomicstore" or part.startswith("attempt-"):
+            raise InvalidArgumentError(
+                f"{url_or_path}: a store root inside atomicstore's reserved layout ({part!r}: "
+                "another store's reserved directory or a save attempt's files) is refused"
+            )
+
+
+def _refuse_root_inside_checkpoint(driver: Driver) -> None:
+    """InvalidArgumentError if the store root (local disk) is a committed checkpoint or
+    lies inside one: a directory on its path holds an atomicstore manifest or commit
+    marker. A few ``stat`` calls; object stores are not asked (no request)."""
+    root = getattr(driver, "root", None)
+    if "file" not in getattr(driver, "protocols", ()) or not isinstance(root, str):
+        return
+    cur = os.path.abspath(root)
+    while True:
+        for point, parse in ((MANIFEST_FILE, Manifest.from_bytes), (MARKER_FILE, Marker.from_bytes)):
+            f = os.path.join(cur, point)
+            try:
+                if not os.path.isfile(f) or os.path.getsize(f) > MAX_MANIFEST_BYTES:
+                    continue
+                with open(f, "rb") as fh:
+                    parse(fh.read(), where=f)
+            except (OSError, CorruptionError):
+                continue  # not atomicstore's (a user's own manifest.json) or unreadable
+            raise InvalidArgumentError(
+                f"{root}: a store root inside committed checkpoint {cur} is refused (deleting or "
+                "replacing that checkpoint would remove this store's checkpoints with it)"
+            )
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            return
+        cur = parent

@@ -33,7 +33,7 @@ from ..errors import (
     PreconditionFailedError,
     StorageError,
 )
-from .manifest import Manifest, Marker, sha256
+from .manifest import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, Manifest, Marker, sha256
 from .names import MANIFEST_FILE, MARKER_FILE, RESERVED_DIR, validate_name
 
 log = logging.getLogger("atomicstore.commit")
@@ -144,6 +144,13 @@ class CommitStrategy(ABC):
         )
 
 
+def read_capped(driver: Driver, key: str, limit: int) -> bytes:
+    """``key``, but at most ``limit + 1`` bytes of it: a marker or manifest read from
+    storage is hostile input, and one over its limit is refused by its parser
+    (:class:`CorruptionError`) without ever being read whole."""
+    return driver.read(key, 0, limit + 1)
+
+
 def _unreadable(raw: bytes) -> str:
     return f"unreadable:{sha256(raw)[:16]}"
 
@@ -175,7 +182,9 @@ class RenameStrategy(CommitStrategy):
     _staging = attempt_prefix
 
     def begin(self, name: str, attempt: str, *, overwrite: bool = False) -> str:
-        if self.driver.exists(name):
+        if self.driver.exists(name) and not self.empty_dir(name):
+            if self.current(name) is None:
+                raise self._not_a_checkpoint(name)
             if not overwrite:
                 raise self._conflict(name)
             if not self.driver.replaces_directories:
@@ -187,7 +196,7 @@ class RenameStrategy(CommitStrategy):
 
     def current(self, name: str) -> str | None:
         try:
-            raw = self.driver.read(f"{name}/{MANIFEST_FILE}")
+            raw = read_capped(self.driver, f"{name}/{MANIFEST_FILE}", MAX_MANIFEST_BYTES)
         except NotFoundError:
             return None
         try:
@@ -218,7 +227,13 @@ class RenameStrategy(CommitStrategy):
             if not overwrite:
                 if check:
                     check()
-                d.rename(staging, name)  # the commit point (fails if recovery claimed staging)
+                try:
+                    d.rename(staging, name)  # the commit point (fails if recovery claimed staging)
+                except AlreadyExistsError:
+                    with d.lock():  # an empty directory (a user's mkdir) is taken over
+                        if not self.empty_dir(name):
+                            raise
+                        replaced = self._take_over_empty(staging, name)
             else:
                 if check:  # (outside the store lock: a lease renewal takes it on POSIX)
                     check()
@@ -226,7 +241,9 @@ class RenameStrategy(CommitStrategy):
                     found = self.current(name)
                     if found != expected:
                         raise AlreadyExistsError(f"{name}: generation {found}, expected {expected}")
-                    if expected is None:
+                    if expected is None and self.empty_dir(name):
+                        replaced = self._take_over_empty(staging, name)
+                    elif expected is None:
                         d.rename(staging, name)  # the commit point
                     else:
                         d.exchange(staging, name)  # the commit point of an overwrite
@@ -255,6 +272,46 @@ class RenameStrategy(CommitStrategy):
         if replaced:  # the replaced checkpoint now sits at the staging name
             self._cleanup(staging)
 
+    def _not_a_checkpoint(self, name: str) -> AlreadyExistsError:
+        """The refusal to write over ``name``, which exists and is no checkpoint: a file,
+        or a directory of someone else's files (a stock DCP or Orbax checkpoint, a user's
+        run directory), named with what it holds."""
+        d = self.driver
+        held = sorted(e.name + ("/" if e.is_dir else "") for e in d.listdir(name))
+        what = (f"a directory holding {', '.join(held[:5])}" + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+                if held else "a file")
+        return AlreadyExistsError(
+            f"{d.describe(name)} exists and is not a checkpoint ({what}): atomicstore replaces only "
+            "checkpoints it committed; remove it or save under another name"
+        )
+
+    def empty_dir(self, name: str) -> bool:
+        """Whether ``name`` is an empty directory (made by a user's ``mkdir``,
+        ``tempfile.mkdtemp`` or ``TemporaryDirectory``): never a checkpoint (a committed
+        one holds its manifest), so a commit takes it over (:meth:`_take_over_empty`)."""
+        d = self.driver
+        return d.capabilities.directories and d.exists(name) and not d.find(name) and not d.listdir(name)
+
+    def _take_over_empty(self, staging: str, name: str) -> bool:
+        """Commit ``staging`` onto the empty directory ``name`` in one atomic step (the
+        caller holds the store lock and checked it is empty): the two are exchanged, and
+        the empty directory, now at the staging name, is removed after the commit (True).
+        Without ``RENAME_EXCHANGE`` the driver's rename is ``rename(2)``, which replaces an
+        empty directory atomically (False: nothing left to remove); a filesystem with
+        NOREPLACE but not EXCHANGE is refused."""
+        d = self.driver
+        if d.replaces_directories:
+            d.exchange(staging, name)  # the commit point
+            return True
+        try:
+            d.rename(staging, name)  # the commit point
+        except AlreadyExistsError:
+            raise StorageError(
+                f"cannot commit onto the empty directory {d.describe(name)} atomically: this "
+                "filesystem lacks renameat2(RENAME_EXCHANGE); remove the directory, then save"
+            ) from None
+        return False
+
     def discard(self, name: str, attempt: str) -> None:
         try:
             self.driver.delete_tree(self._staging(name, attempt))
@@ -263,7 +320,7 @@ class RenameStrategy(CommitStrategy):
 
     def resolve(self, name: str) -> tuple[str, bytes]:
         try:
-            return name, self.driver.read(f"{name}/{MANIFEST_FILE}")
+            return name, read_capped(self.driver, f"{name}/{MANIFEST_FILE}", MAX_MANIFEST_BYTES)
         except NotFoundError:
             raise NotFoundError(f"no committed checkpoint {self.driver.describe(name)}") from None
 
@@ -335,7 +392,7 @@ class MarkerStrategy(CommitStrategy):
         key = f"{name}/{MARKER_FILE}"
         try:
             gen = self.driver.info(key).generation
-            raw = self.driver.read(key)
+            raw = read_capped(self.driver, key, MAX_MARKER_BYTES)
         except NotFoundError:
             return None, None, None
         try:
@@ -350,7 +407,7 @@ class MarkerStrategy(CommitStrategy):
     def intact(self, name: str, marker: Marker) -> bool:
         """True if the manifest ``marker`` names exists and has its digest."""
         try:
-            raw = self.driver.read(f"{self._prefix(name, marker.attempt)}/{MANIFEST_FILE}")
+            raw = read_capped(self.driver, f"{self._prefix(name, marker.attempt)}/{MANIFEST_FILE}", MAX_MANIFEST_BYTES)
         except NotFoundError:
             return False
         return sha256(raw) == marker.manifest_sha256
@@ -488,7 +545,7 @@ class MarkerStrategy(CommitStrategy):
 
     def read_marker(self, name: str) -> Marker:
         key = f"{name}/{MARKER_FILE}"
-        return Marker.from_bytes(self.driver.read(key), where=self.driver.describe(key))
+        return Marker.from_bytes(read_capped(self.driver, key, MAX_MARKER_BYTES), where=self.driver.describe(key))
 
     def named_attempt(self, name: str) -> str | None:
         """The attempt the marker of ``name`` names (``unreadable:<digest>`` if it cannot
@@ -496,7 +553,7 @@ class MarkerStrategy(CommitStrategy):
         never for a conditional write (see :meth:`marker_state`)."""
         key = f"{name}/{MARKER_FILE}"
         try:
-            raw = self.driver.read(key)
+            raw = read_capped(self.driver, key, MAX_MARKER_BYTES)
         except NotFoundError:
             return None
         try:
@@ -526,12 +583,15 @@ class MarkerStrategy(CommitStrategy):
         prefix = self._prefix(name, marker.attempt)
         key = f"{prefix}/{MANIFEST_FILE}"
         try:
-            manifest = self.driver.read(key)
+            manifest = read_capped(self.driver, key, MAX_MANIFEST_BYTES)
         except NotFoundError:
             raise CorruptionError(
                 f"{self.driver.describe(key)}: the commit marker names a manifest that is missing",
                 path=MANIFEST_FILE,
             ) from None
+        if len(manifest) > MAX_MANIFEST_BYTES:
+            raise CorruptionError(f"{self.driver.describe(key)}: larger than the {MAX_MANIFEST_BYTES} bytes "
+                                  "a manifest may take", path=MANIFEST_FILE)
         if sha256(manifest) != marker.manifest_sha256:
             raise CorruptionError(
                 f"{self.driver.describe(key)}: manifest does not match its commit marker",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..drivers.base import Writer
 from ..errors import CommitConflictError, InvalidArgumentError, TransactionError
 from .lease import Lease
-from .manifest import Crc32cHasher, FileEntry, Manifest
+from .manifest import MAX_MANIFEST_BYTES, Crc32cHasher, FileEntry, Manifest, encode_metadata
 from .names import validate_path
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class TransactionFile:
         With ``borrow=True`` the writer may upload straight from ``data`` instead of a
         copy: the caller promises not to change those bytes until the transaction has
         committed or aborted."""
+        self._txn._check_owner(f"write to {self.path!r} of")
         if self.closed:
             raise TransactionError(f"write to closed file {self.path!r}")
         try:
@@ -87,6 +89,7 @@ class TransactionFile:
         an object-store upload completes in the background while the caller goes on
         (e.g. to the next file): :meth:`Transaction.commit` waits for it and raises its
         error, leaving the transaction open (to abort; a ``with`` block aborts it)."""
+        self._txn._check_owner(f"close {self.path!r} of")
         if self.closed:
             return
         self._txn._lease.wait()  # nothing of the attempt is stored before its lease
@@ -103,6 +106,7 @@ class TransactionFile:
     def abort(self) -> None:
         """Discard this file's bytes, best effort (leaving a ``with`` block on an error does
         it). The transaction can then no longer commit: abort it too. No-op once closed."""
+        self._txn._check_owner(f"abort {self.path!r} of")
         if not self.closed:
             self.closed = True
             self._writer.abort()
@@ -111,6 +115,8 @@ class TransactionFile:
         return self
 
     def __exit__(self, et: type[BaseException] | None, *_: Any) -> None:
+        if et is not None and not self._txn._owned():
+            return  # a forked child's error: the file is the parent's, left alone
         if et is None:
             self.close()
         else:
@@ -141,11 +147,14 @@ class Transaction:
         attempt: str,
         overwrite: bool = False,
     ) -> None:
+        #: the process that made the transaction: only it may write, commit or abort it
+        self.pid = os.getpid()
         self.store = store
         self.name = name
         self.attempt = attempt
         self.overwrite = overwrite
         self.metadata = dict(metadata or {})
+        encode_metadata(self.metadata)  # what no reader could read is refused before the lease
         self._files: dict[str, FileEntry] = {}
         self._open: dict[str, TransactionFile] = {}
         #: closed files whose upload may still be completing: path -> (writer, its future)
@@ -183,6 +192,7 @@ class Transaction:
     def open(self, path: str) -> TransactionFile:
         """Start writing ``path`` (relative, ``/``-separated) inside the checkpoint."""
         validate_path(path)
+        self._check_owner(f"write {path!r} in")
         with self._lock:
             self._check_open()
             if path in self._files or path in self._open:
@@ -210,6 +220,7 @@ class Transaction:
         validate_path(path)
         if not isinstance(size, int) or size < 0 or not isinstance(crc32c, int) or not 0 <= crc32c < 2**32:
             raise InvalidArgumentError(f"adopt {path!r}: bad size or CRC32C")
+        self._check_owner(f"adopt {path!r} in")
         with self._lock:
             self._check_open()
             if path in self._files or path in self._open:
@@ -248,6 +259,19 @@ class Transaction:
         with self._lock:
             return dict(self._files)
 
+    def _owned(self) -> bool:
+        return os.getpid() == self.pid
+
+    def _check_owner(self, what: str = "use") -> None:
+        """:class:`~atomicstore.TransactionError` in a forked child: the attempt is the
+        parent's, still in flight there (a child committing or aborting it would commit
+        the parent's half-written files, or delete the data the parent's commit names)."""
+        if not self._owned():
+            raise TransactionError(
+                f"cannot {what} transaction {self.name!r}: this transaction belongs to process "
+                f"{self.pid}; a forked child cannot commit or abort it (open a new one in this process)"
+            )
+
     def _check_open(self) -> None:
         if self._state is not _State.OPEN:
             raise TransactionError(f"transaction for {self.name!r} is already {self._state.value}")
@@ -256,8 +280,17 @@ class Transaction:
     def commit(self, *, check: Callable[[], None] | None = None) -> Manifest:
         """Write the manifest and publish the checkpoint. Returns its manifest.
 
+        A manifest larger than readers accept (:data:`~atomicstore.commit.manifest.MAX_MANIFEST_BYTES`:
+        too many files, or metadata grown since the transaction began) raises
+        :class:`~atomicstore.InvalidArgumentError` before anything is published; the
+        transaction stays open, to be aborted (a ``with`` block does it).
+
         ``check()`` (e.g. a multi-host save's own deadline) runs with the lease check,
-        after everything is written, right before the commit point; its error aborts."""
+        after everything is written, right before the commit point; its error aborts.
+
+        :class:`~atomicstore.TransactionError` in a forked child of the process that began
+        the transaction (nothing is changed)."""
+        self._check_owner("commit")
         self._wait_closing()  # every file complete (or the error of the first that failed)
         with self._lock:
             self._check_open()
@@ -274,7 +307,16 @@ class Transaction:
                 metadata=self.metadata,
                 committed=time.time(),
             )
-            data = manifest.to_bytes()
+            try:
+                data = manifest.to_bytes()
+            except (TypeError, ValueError, RecursionError) as exc:  # metadata changed since
+                raise InvalidArgumentError(f"cannot commit {self.name!r}: metadata is no longer "
+                                           f"JSON ({exc})") from None
+            if len(data) > MAX_MANIFEST_BYTES:  # (the transaction stays open, to be aborted)
+                raise InvalidArgumentError(
+                    f"cannot commit {self.name!r}: its manifest would take {len(data):,} bytes "
+                    f"({len(self._files):,} files), over the {MAX_MANIFEST_BYTES:,} readers accept"
+                )
             lease_check = self._lease.check
 
             def checks() -> None:
@@ -309,7 +351,9 @@ class Transaction:
         return manifest
 
     def abort(self) -> None:
-        """Discard everything written; nothing becomes visible. Idempotent."""
+        """Discard everything written; nothing becomes visible. Idempotent.
+        :class:`~atomicstore.TransactionError` in a forked child (nothing is changed)."""
+        self._check_owner("abort")
         with self._lock:
             if self._state is not _State.OPEN:
                 return
@@ -336,6 +380,12 @@ class Transaction:
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if not self._owned():
+            # a forked child leaving the parent's block: storage is left alone (the
+            # attempt is the parent's); leaving normally is an error, not a commit
+            if et is None:
+                self._check_owner("commit")
+            return
         if et is None:
             if self._state is _State.OPEN:
                 try:

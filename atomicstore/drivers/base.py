@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -117,6 +118,10 @@ class Writer(ABC):
     ``abort`` discards whatever was written, best effort.
     """
 
+    #: once ``close`` returned: the generation of the object this write completed, as the
+    #: completing request answered it (None where the backend did not say)
+    generation: str | None = None
+
     @abstractmethod
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Append ``data`` (copied, or written before this returns)."""
@@ -199,14 +204,60 @@ class Driver(ABC):
         self.operation_timeout = operation_timeout
         self.block_size = block_size
         self._secrets = tuple(s for s in secrets if s)
+        #: makes the filesystem again (set by :meth:`from_url`): a forked child cannot use
+        #: its parent's (see :meth:`_after_fork`)
+        self._remake: Callable[[], Any] | None = None
+        self._fs_lock = threading.Lock()
+        #: why this process cannot make the filesystem again (a forked child of a driver
+        #: given a filesystem object it cannot re-create)
+        self._fs_refused: str | None = None
+        self._pid = os.getpid()
+        _LIVE_DRIVERS.add(self)
 
     @property
     def fs(self) -> Any:
         """The fsspec filesystem underneath (made on first use where the driver was
-        given none: the local driver calls the OS directly and never needs it)."""
-        if self._fs is None:
-            self._fs = self.make_filesystem(self.protocols[0], {})
-        return self._fs
+        given none: the local driver calls the OS directly and never needs it; made
+        again in a forked child, see :meth:`_after_fork`)."""
+        fs = self._fs
+        if fs is not None:
+            return fs
+        with self._fs_lock:
+            if self._fs is None:
+                if self._fs_refused is not None:
+                    raise StorageError(self._fs_refused)
+                fs = self._remake() if self._remake is not None else self.make_filesystem(self.protocols[0], {})
+                self._prepare_filesystem(fs)
+                self._fs = fs
+            return self._fs
+
+    def _prepare_filesystem(self, fs: Any) -> None:
+        """Configure a filesystem made for this driver before its first use (when the
+        driver is built, and again when a forked child makes its own). Default: nothing."""
+
+    def _after_fork(self) -> None:
+        """In a forked child, before anything else runs: an async fsspec filesystem (s3fs,
+        gcsfs) belongs to its event loop's thread, which does not exist in the child
+        (fsspec refuses every call), and its connections, sessions and locks are the
+        parent's. The child makes its own filesystem on first use (from the storage options
+        the driver was opened with) and never touches the parent's: closing those objects
+        here could unregister the parent's sockets from the event-loop selector both
+        processes share. A driver given a filesystem object it cannot re-create raises
+        :class:`StorageError` saying to open the store again in the child."""
+        self._fs_lock = threading.Lock()
+        fs = self._fs
+        if fs is None or not getattr(fs, "async_impl", False):
+            return  # nothing of a thread or loop (local, memory): usable as it is
+        _INHERITED.append(fs)  # the parent's: kept alive, never closed from the child
+        _keep_unclosed(fs)
+        self._fs = None
+        if self._remake is None:
+            self._fs_refused = (
+                f"{self.describe()}: this store was opened in process {self._pid} "
+                "with a filesystem object atomicstore cannot re-create, and this is a forked child "
+                "(fsspec's async filesystems cannot be used across a fork): open the store again "
+                "in the child (atomicstore.open_store with the URL and storage options)")
+        self._pid = os.getpid()
 
     @classmethod
     def from_url(
@@ -223,7 +274,9 @@ class Driver(ABC):
         root = fs._strip_protocol(f"{protocol}://{path}").rstrip("/")
         if not root:
             raise InvalidArgumentError(f"{protocol}:// needs a bucket or root path")
-        return cls(fs, root, url=f"{protocol}://{root}", **kwargs)
+        driver = cls(fs, root, url=f"{protocol}://{root}", **kwargs)
+        driver._remake = partial(cls.make_filesystem, protocol, dict(storage_options))
+        return driver
 
     @classmethod
     def make_filesystem(cls, protocol: str, storage_options: dict[str, Any]) -> Any:
@@ -456,6 +509,17 @@ class Driver(ABC):
     def abort_upload(self, key: str, upload_id: str) -> None:
         """Abort one unfinished multipart upload."""
 
+    #: :meth:`list_incomplete_uploads` answers only uploads of this store's own writers
+    #: (GCS: components kept in the store's reserved directory); otherwise (S3: every
+    #: upload below the root, a nested store's and the user's too) recovery attributes
+    #: each by its key before it touches it
+    own_uploads: ClassVar[bool] = False
+
+    def is_temporary(self, key: str) -> bool:
+        """True if ``key`` is named as this driver names the temporary file of a
+        single-file write (recovery removes stale ones). Default: the driver makes none."""
+        return False
+
     def stray_leftovers(self, older_than: float) -> list[str]:
         """Keys of scratch entries the driver itself made and a killed process left
         behind (the local driver's ``renameat2`` probe directories), last changed more
@@ -493,6 +557,30 @@ def _forget_pool() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_pool)
+
+#: every driver of this process (a forked child resets each: :meth:`Driver._after_fork`)
+_LIVE_DRIVERS: weakref.WeakSet[Driver] = weakref.WeakSet()
+#: in a forked child, the parent's filesystems its drivers held: kept alive and never used
+#: (their finalizers would close the parent's connections from the child)
+_INHERITED: list[Any] = []
+
+
+def _keep_unclosed(obj: Any) -> None:
+    """Keep the finalizers of ``obj`` (s3fs and gcsfs close their sessions in one) from
+    running at this process's exit: held in :data:`_INHERITED`, it is never collected,
+    and at exit they would wait on the parent's event loop, which does not run here."""
+    for fin in list(getattr(weakref.finalize, "_registry", {})):
+        info = fin.peek()
+        if info is not None and info[0] is obj:
+            fin.atexit = False
+
+
+def _drivers_after_fork() -> None:
+    for driver in list(_LIVE_DRIVERS):
+        driver._after_fork()
+
+
+os.register_at_fork(after_in_child=_drivers_after_fork)
 
 
 _PROCESS_LOCKS: dict[str, threading.Lock] = {}
@@ -715,6 +803,14 @@ class AsyncFsspecDriver(Driver):
         loop: asyncio.AbstractEventLoop = self.fs.loop
         return loop
 
+    def _after_fork(self) -> None:
+        """Also the in-flight budget (the parent's requests, which never end here, hold
+        some of it) and the completion threads (the parent's do not exist here)."""
+        super()._after_fork()
+        self.inflight = InflightBudget(self.max_inflight_bytes)
+        self._completer = None
+        self._completer_lock = threading.Lock()
+
     def complete_later(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the driver's completion threads: the completions of uploads
         closed with ``close_async``, each waiting for its parts, then completing the
@@ -731,11 +827,13 @@ class AsyncFsspecDriver(Driver):
                 self._completer.shutdown(wait=False)
                 self._completer = None
 
-    def connect(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+    def connect(self, make: Callable[[], Coroutine[Any, Any, Any]],
+                loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Create the backend client now (loading service models, credentials), so that
-        this one-off cost is never charged to the timeout of the first request."""
+        this one-off cost is never charged to the timeout of the first request. ``make``
+        runs on ``loop`` (default: the filesystem's)."""
         try:
-            asyncio.run_coroutine_threadsafe(make(), self._loop()).result()
+            asyncio.run_coroutine_threadsafe(make(), loop or self._loop()).result()
         except Exception as exc:
             raise self.wrap_error("connect", "", exc) from exc
 
@@ -1196,7 +1294,8 @@ class BufferedPartWriter(Writer):
 
     def _put_small(self, data: bytes) -> None:
         try:
-            self.driver.put(self.key, data, exclusive=self.exclusive, if_generation=self.if_generation)
+            self.generation = self.driver.put(self.key, data, exclusive=self.exclusive,
+                                              if_generation=self.if_generation)
         except (AlreadyExistsError, StorageError):
             # A retried put whose first try landed answers 412, and the retry may be
             # invisible (aiohttp re-sends a PUT on a dropped keep-alive connection); or the

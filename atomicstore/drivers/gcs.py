@@ -130,7 +130,8 @@ class _GCSWriter(BufferedPartWriter):
                         d.compose, key, sources[i : i + MAX_COMPOSE], {"ifGenerationMatch": "0"}, self.upload_id)))
             # (every compose has ended here, so an error leaves none running)
             sources = [(d.split(key)[1], str(f.result()["generation"])) for key, f in futures]
-        d.compose(self.key, sources, d.condition(self.exclusive, self.if_generation), self.upload_id)
+        out = d.compose(self.key, sources, d.condition(self.exclusive, self.if_generation), self.upload_id)
+        self.generation = d._generation(out)
         self._abort()  # the components are not needed any more
 
     def _abort(self) -> None:
@@ -159,6 +160,7 @@ class GCSDriver(AsyncFsspecDriver):
         native_crc32c=True,
         multipart_uploads=True,  # components of parallel composite uploads
     )
+    own_uploads = True  # components live in the store's reserved directory
     transient_types = (
         ConnectionError,
         aiohttp.ClientError,
@@ -170,7 +172,10 @@ class GCSDriver(AsyncFsspecDriver):
         super().__init__(fs, root, **kwargs)
         if self.block_size % CHUNK_MULTIPLE:
             raise InvalidArgumentError("GCS needs a block_size that is a multiple of 256 KiB")
-        self.connect(self.fs._set_session)
+        self._prepare_filesystem(self.fs)
+
+    def _prepare_filesystem(self, fs: Any) -> None:
+        self.connect(fs._set_session, fs.loop)
 
     @classmethod
     def make_filesystem(cls, protocol: str, storage_options: dict[str, Any]) -> Any:

@@ -254,6 +254,10 @@ def _generation(st: os.stat_result) -> str:
     return f"{st.st_ino}.{st.st_mtime_ns}"
 
 
+#: the base name :func:`temp_sibling` gives (older versions did not cut the name at 48)
+_TEMP_NAME = re.compile(r"\.[^/]+\.put-\d+-[0-9a-f]{12}")
+
+
 def temp_sibling(path: str) -> str:
     """A hidden temporary name next to ``path`` (short whatever the name's length; the
     pattern recovery recognises as a stale single-file temporary)."""
@@ -586,6 +590,10 @@ class LocalDriver(Driver):
             pass
         except IsADirectoryError:
             self.delete_tree(key)
+
+    def is_temporary(self, key: str) -> bool:
+        """A temporary of :meth:`put` or of an exclusive writer (:func:`temp_sibling`)."""
+        return bool(_TEMP_NAME.fullmatch(key.rpartition("/")[2]))
 
     def stray_leftovers(self, older_than: float) -> list[str]:
         """``renameat2`` probe directories (``.probe-<pid>-<hex>{a,b,c}``) of a process

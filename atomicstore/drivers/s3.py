@@ -120,7 +120,7 @@ class _S3Writer(BufferedPartWriter):
             parts.append(part)
         cond = self.driver.condition(self.exclusive, self.if_generation)
         try:
-            self.driver.call(
+            out = self.driver.call(
                 "complete multipart upload",
                 self.key,
                 lambda: self.driver.s3call(
@@ -134,6 +134,7 @@ class _S3Writer(BufferedPartWriter):
                 ),
                 "generation" if self.if_generation is not None else None,
             )
+            self.generation = self.driver._generation(out)
         except (AlreadyExistsError, StorageError) as exc:
             # A retry after a lost reply may be refused (412), and a 409
             # ConditionalRequestConflict ends this upload (AWS: start it again, which a
@@ -156,7 +157,10 @@ class _S3Writer(BufferedPartWriter):
         except NotFoundError:
             return False
         digests = b"".join(bytes.fromhex(p["ETag"].strip('"')) for p in parts)
-        return etag == f"{hashlib.md5(digests).hexdigest()}-{len(parts)}"
+        if etag != f"{hashlib.md5(digests).hexdigest()}-{len(parts)}":
+            return False
+        self.generation = etag
+        return True
 
     def _abort(self) -> None:
         self.driver.abort_upload(self.key, self.upload_id)
@@ -194,9 +198,12 @@ class S3Driver(AsyncFsspecDriver):
         super().__init__(fs, root, **kwargs)
         if self.block_size < MIN_PART:
             raise InvalidArgumentError("S3 needs block_size >= 5 MiB (the minimum part size)")
+        self._prepare_filesystem(self.fs)
+
+    def _prepare_filesystem(self, fs: Any) -> None:
         # one connection per request the in-flight budget allows (botocore's default: 10)
-        self.fs.config_kwargs.setdefault("max_pool_connections", max(64, self.max_inflight_bytes // MIN_PART + 16))
-        self.connect(self.fs.set_session)
+        fs.config_kwargs.setdefault("max_pool_connections", max(64, self.max_inflight_bytes // MIN_PART + 16))
+        self.connect(fs.set_session, fs.loop)
 
     @classmethod
     def make_filesystem(cls, protocol: str, storage_options: dict[str, Any]) -> Any:
@@ -272,7 +279,12 @@ class S3Driver(AsyncFsspecDriver):
             extra["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
 
         async def get() -> bytes:
-            resp = await self.s3call("get_object", Bucket=bucket, Key=obj, **extra)
+            try:
+                resp = await self.s3call("get_object", Bucket=bucket, Key=obj, **extra)
+            except Exception as exc:
+                if extra and http_status_of(exc) == 416:
+                    return b""  # the range starts at or past the end (as on every other backend)
+                raise
             async with resp["Body"] as body:
                 return await body.read()  # type: ignore[no-any-return]
 

@@ -8,6 +8,7 @@ Deterministic by seed. Faults it can inject into a request:
 * ``lost_reply``: let the backend apply the request, then drop the connection, so the
   client cannot know it succeeded (the case a conditional commit must reconcile);
 * ``stall``: hold requests that match a rule for a number of seconds (timeout tests);
+* ``deny``: refuse requests that match a rule with 403, as read-only credentials get;
 * ``409 ConditionalRequestConflict`` (S3 only): the answer real S3 may give a conditional
   write (``PutObject`` or ``CompleteMultipartUpload`` with ``If-None-Match`` or
   ``If-Match``) when a conflicting operation on the same key is in progress, e.g. another
@@ -289,6 +290,9 @@ class FaultPlan:
     #: gets 409 too (AWS: "re-initiate the multipart upload with CreateMultipartUpload and
     #: re-upload each part"); the upload stays listed until it is aborted
     conflict_ends_upload: bool = True
+    #: requests matching it are refused without being applied: 403 ``AccessDenied`` (S3) or
+    #: 403 ``forbidden`` (GCS), what read-only credentials get (``deny=is_mutation``)
+    deny: Predicate | None = None
 
 
 _S3_ERROR = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
@@ -395,6 +399,15 @@ class FaultInjector:
         headers = [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))]
         return status, headers, body
 
+    def _denied(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+        """The answer to a request the credentials do not allow (see ``FaultPlan.deny``)."""
+        if self.s3:
+            return self._s3_error("403 Forbidden", "AccessDenied", "Access Denied")
+        body = json.dumps({"error": {"code": 403, "message": "injected: the caller does not have "
+                                     "storage.objects.create/delete access (read-only credentials)",
+                                     "errors": [{"reason": "forbidden", "message": "forbidden"}]}}).encode()
+        return "403 Forbidden", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body
+
     def _conflict_answer(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
         key = (object_key(environ) or "").partition("/")[2]
         return self._s3_error(
@@ -499,6 +512,13 @@ class FaultInjector:
 
     def _handle(self, plan: FaultPlan, environ: dict[str, Any], start_response: Callable[..., Any],
                 key: str | None, overlapped: bool, deletes: int) -> Iterable[bytes]:
+        if plan.deny is not None and plan.deny(environ):
+            _consume(environ)
+            with self._lock:
+                self.counts["denied"] += 1
+            status, headers, body = self._denied(environ)
+            start_response(status, headers)
+            return [b"" if environ.get("REQUEST_METHOD") == "HEAD" else body]
         for pred, seconds in plan.stalls:
             if pred(environ):
                 with self._lock:
