@@ -31,12 +31,21 @@ Steps ("op"):
   rendezvous wait until "count" processes (of any job) touched a file in "dir"
   barrier    jax's multihost barrier
   attempt    record mgr.metadata(step)["attempt"]
+  gate       this process's first storage read of a key under "name"/ touches "ready", then
+             waits until "go" exists (the test puts another job's action in between)
+  arm        this process's next wait on the coordination service touches "path" (in a
+             multi-host restore, process 0 waits there once it has read all it reads)
+  touch      create the file "path"
+  fork_restore  fork; the child (alone, no coordination) restores URL/<name> as numpy and
+             checks it against tree(val); its outcome ("ok" or the error) is the value
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -47,9 +56,6 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -160,11 +166,85 @@ def check_numpy(got: dict, val: float) -> None:
     assert get(got, "opt/count") == e["opt"]["count"] and get(got, "opt/lr") == e["opt"]["lr"]
 
 
+def wait_for(path: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.01)
+
+
+def touch(path: str) -> None:
+    open(path, "w").close()
+
+
+def gate_reads(driver_cls: type, name: str, ready: str, go: str) -> None:
+    """The first read (of any thread) of a key under ``name/`` by a driver of this class
+    touches ``ready`` and waits for ``go``; later reads pass."""
+    fired = threading.Event()
+    for meth in ("read", "read_into", "iter_read", "read_if"):
+        orig = getattr(driver_cls, meth, None)
+        if orig is None:
+            continue
+
+        def hooked(self, key, *args, _orig=orig, **kwargs):
+            if key.startswith(f"{name}/") and not fired.is_set():
+                fired.set()
+                touch(ready)
+                wait_for(go)
+            return _orig(self, key, *args, **kwargs)
+
+        setattr(driver_cls, meth, hooked)
+
+
+def touch_on_next_wait(path: str) -> None:
+    """The next blocking get on jax's coordination service touches ``path`` (then the
+    client is put back as it was)."""
+    from jax._src import distributed
+
+    inner = distributed.global_state.client
+
+    class Spy:
+        def __getattr__(self, attr):
+            return getattr(inner, attr)
+
+        def blocking_key_value_get(self, *args, **kwargs):
+            distributed.global_state.client = inner
+            touch(path)
+            return inner.blocking_key_value_get(*args, **kwargs)
+
+    distributed.global_state.client = Spy()
+
+
+def fork_restore(url: str, opts: dict, name: str, val: float, out: str) -> str:
+    import atomicstore
+
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(60)  # a hang fails the step, never the suite
+        try:
+            check_numpy(atomicstore.restore(f"{url}/{name}", **opts), val)
+            res = "ok"
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            res = f"{type(exc).__name__}: {exc}"
+        with open(out, "w") as f:
+            f.write(res)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    with open(out) as f:
+        return f.read()
+
+
 def main() -> None:
     port, nproc, pid, url, opts, actions, out = sys.argv[1:8]
     nproc_i, pid_i = int(nproc), int(pid)
+    # (here, not at import: the test process imports this module too, and jax 0.4.30 then
+    # fails to start its CPU backend with gloo collectives and no distributed client)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    extra = {"heartbeat_timeout_seconds": 60}  # (jax 0.4.30, the lowest supported, lacks it)
+    extra = {k: v for k, v in extra.items() if k in inspect.signature(jax.distributed.initialize).parameters}
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc_i, process_id=pid_i,
-                               initialization_timeout=60, heartbeat_timeout_seconds=60)
+                               initialization_timeout=60, **extra)
     import atomicstore
 
     opts_d = json.loads(opts)
@@ -252,6 +332,16 @@ def main() -> None:
                 open(os.path.join(d, f"{act.get('job', 0)}-{pid_i}"), "w").close()
                 while len(os.listdir(d)) < act["count"]:
                     time.sleep(0.01)
+            elif op == "gate":
+                from atomicstore.drivers import get_driver
+
+                gate_reads(type(get_driver(url, storage_options=opts_d)), act["name"], act["ready"], act["go"])
+            elif op == "arm":
+                touch_on_next_wait(act["path"])
+            elif op == "touch":
+                touch(act["path"])
+            elif op == "fork_restore":
+                rec["value"] = fork_restore(url, opts_d, act["name"], act["val"], act["out"])
             elif op == "barrier":
                 from jax.experimental import multihost_utils
 

@@ -23,6 +23,17 @@ A process that dies or hangs is noticed when the timeout runs out: nothing is co
 and every surviving process raises :class:`~atomicstore.CoordinationError`. A process
 that gives up waiting for the outcome publishes ``abandon/<i>`` first, which stops a late
 process 0 from committing.
+
+A coordinated restore (:meth:`Session.publish_plan`, :meth:`Session.await_plan`,
+:func:`agree`): process 0 opens the checkpoint and publishes which save it opened (the
+attempt, or a legacy file's generation) as the ``plan``; the others open the same name
+and raise :class:`~atomicstore.PreconditionFailedError` unless they find that save; once
+its own read is done, every process reports (``report/<i>``) and process 0 publishes the
+``outcome``: every process returns, or every process raises (the library's own errors
+with their class, so that a caller's retry takes the same branch everywhere).
+
+A forked child of a process of the job (a data-loader worker) is not part of the job: the
+coordination client it inherited cannot be used there, so its calls run alone.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -39,7 +51,15 @@ from typing import Any
 
 from ..commit import Transaction
 from ..drivers import Driver
-from ..errors import CoordinationError, InvalidArgumentError
+from ..errors import (
+    AtomicStoreError,
+    ChecksumMismatchError,
+    CoordinationError,
+    CorruptionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PreconditionFailedError,
+)
 from .format import Shard, check_shards
 from .sharded import LocalShard, ShardedLeaf, assemble, write_shards
 
@@ -50,6 +70,16 @@ _lock = threading.Lock()
 _counts: dict[str, int] = {}  # how many sessions of each call this process has opened
 _opened: list[str] = []  # the namespaces of this process's sessions, in order
 _cleared = 0  # process 0: the namespaces _opened[:_cleared] have been deleted
+_forked = False  # a forked child of a process of the job: not part of it
+
+
+def _after_fork_in_child() -> None:
+    global _forked, _lock
+    _forked = True
+    _lock = threading.Lock()  # (a parent's thread may have held it at the fork)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def distributed_client() -> Any:
@@ -119,7 +149,7 @@ class Session:
         """A session of the ``jax.distributed`` job this process is part of, or None in a
         single-process job. Call it first, before anything that may fail."""
         client = distributed_client()
-        if client is None:
+        if client is None or _forked:  # (the child of a fork cannot use the parent's client)
             return None
         import jax
 
@@ -160,7 +190,7 @@ class Session:
             ) from None
 
     def error(self, exc: BaseException) -> dict[str, Any]:
-        return {"error": _why(exc), "process": self.index}
+        return {"error": _why(exc), "process": self.index, "type": type(exc).__name__}
 
     def fail(self, exc: BaseException) -> None:
         """Tell the others this process failed (what it owes them, as an error)."""
@@ -216,6 +246,22 @@ class Session:
                 raise CoordinationError(f"{self.what}: process(es) {sorted(k.rsplit('/', 1)[-1] for k, _ in gone)} "
                                         "gave up waiting; not committing")
 
+    # -- a restore: process 0 picks the save, every process reads it --------------------
+    def publish_plan(self, value: Any) -> None:
+        """Process 0: publish what it chose (JSON) for the others' :meth:`await_plan`."""
+        self.put("plan", {"what": self.what, "value": value})
+
+    def await_plan(self) -> Any:
+        """The others: what process 0 published; its error raises here (see :func:`agree`)."""
+        plan = self.get("plan", "process 0")
+        if "error" in plan:
+            raise remote_error(self, plan)
+        if plan.get("what") != self.what:
+            raise CoordinationError(f"process 0 is making another call ({plan.get('what')}) than this "
+                                    f"process ({self.what}): every process must make the same calls "
+                                    "in the same order")
+        return plan["value"]
+
     # -- one process decides, every process learns ---------------------------------------
     def decide(self, fn: Callable[[], Any]) -> Any:
         """Process 0 runs ``fn`` and publishes its (JSON) result; every process returns it.
@@ -235,6 +281,42 @@ class Session:
         if "error" in out:
             raise CoordinationError(f"{self.what} failed in process 0: {out['error']}")
         return out["value"]
+
+
+#: errors a collective restore raises with their own class in every process, so that a
+#: caller's ``except`` (restore again, start afresh) takes the same branch everywhere
+_SAME_CLASS: dict[str, type[AtomicStoreError]] = {
+    c.__name__: c for c in (NotFoundError, PreconditionFailedError, CorruptionError, ChecksumMismatchError,
+                            InvalidArgumentError)
+}
+
+
+def remote_error(session: Session, report: dict[str, Any]) -> AtomicStoreError:
+    """The error another process published (``Session.error``), to raise here: with its
+    class for the library's errors above, else :class:`CoordinationError`."""
+    cls = _SAME_CLASS.get(str(report.get("type")), CoordinationError)
+    return cls(f"{session.what} failed in process {report.get('process', 0)}: {report.get('error')}")
+
+
+def agree(session: Session) -> None:
+    """Once this process's own part of a collective restore succeeded: return when every
+    process's did, raise the first failure otherwise (waiting for the others at most the
+    timeout from now). A process whose own part failed calls :meth:`Session.fail`
+    instead."""
+    session.restart_clock()
+    if session.main:
+        for i in range(1, session.count):
+            rep = session.get(f"report/{i}", f"process {i}")
+            if "error" in rep:
+                session.put("outcome", rep)  # the others learn process i's error itself
+                raise remote_error(session, rep)
+        session.forget_earlier()
+        session.put("outcome", {"ok": True})
+        return
+    session.put(f"report/{session.index}", {"ok": True})
+    out = session.get("outcome", "process 0", margin=session.margin)
+    if not out.get("ok"):
+        raise remote_error(session, out)
 
 
 def coordinated_save(
@@ -370,9 +452,11 @@ def _other(session: Session, leaves: list[ShardedLeaf], shards: list[LocalShard]
 __all__ = [
     "DEFAULT_TIMEOUT",
     "Session",
+    "agree",
     "check_timeout",
     "coordinated_save",
     "distributed_client",
     "multihost",
     "process_index_count",
+    "remote_error",
 ]

@@ -6,6 +6,11 @@ Small leaves are read in coalesced batches. Arrays sharded across processes are 
 from their shard files (:mod:`.sharded`): onto the target's sharding each process reads
 only the byte ranges its devices hold, else the whole array as numpy. Legacy flax files
 (no index) are scanned first.
+
+A checkpoint replaced or deleted while it is read raises ``PreconditionFailedError``
+(its files are gone or fail their checksums, and its commit point confirms it). In a
+multi-host job the processes restore the save process 0 opened, or all of them raise
+(:mod:`.coordination`).
 """
 
 from __future__ import annotations
@@ -17,10 +22,19 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..commit import Store, open_store
+from ..commit import Manifest, Store, open_store
 from ..commit.manifest import crc32c, crc32c_slices
 from ..commit.store import Checkpoint
-from ..errors import AtomicStoreError, CorruptionError, InvalidArgumentError, NotFoundError
+from ..drivers import FileInfo
+from ..errors import (
+    AtomicStoreError,
+    CoordinationError,
+    CorruptionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PreconditionFailedError,
+)
+from .coordination import DEFAULT_TIMEOUT, Session, agree, check_timeout
 from .dtypes import parse_dtype
 from .format import (
     EXT_COMPLEX,
@@ -32,12 +46,13 @@ from .format import (
     Leaf,
     aligned_empty,
     bytes_view,
+    checkpoint_name,
     index_of_msgpack,
     parse_index,
     split_url,
 )
 from .sharded import ShardReader, restore_array, run_jobs
-from .tree import Path, is_jax_array, path_str, per_leaf_fn, rebuild
+from .tree import Path, device_put_owned, is_jax_array, path_str, per_leaf_fn, rebuild
 
 #: leaves smaller than this are read in coalesced batches
 SMALL_LEAF = 1 << 20
@@ -255,16 +270,66 @@ def _restore_whole(ckpt: Checkpoint, raw_index: bytes, state_size: int) -> Any:
         return _NO_FAST_PATH
 
 
-def _open_checkpoint(url_or_path: Any, store: Store | None, storage_options: dict[str, Any]) -> tuple[Checkpoint | None, Any]:
+def _store_and_name(url_or_path: Any, store: Store | None, storage_options: dict[str, Any]) -> tuple[Store, str]:
+    if store is not None:
+        return store, checkpoint_name(url_or_path, store.url, store.driver)
     root, name = split_url(url_or_path)
-    st = store or open_store(root, **storage_options)
+    return open_store(root, **storage_options), name
+
+
+def _open_here(st: Store, name: str) -> tuple[Checkpoint | None, FileInfo | None]:
+    """(the committed checkpoint ``name``, None), or (None, the file's info) for a legacy
+    flax checkpoint file."""
     try:
-        return st.open(name), st
+        return st.open(name), None
     except NotFoundError:
         # not one of ours: maybe a legacy flax checkpoint file
         if st.driver.exists(name):
-            return None, (st, name)
+            return None, st.driver.info(name)
         raise
+
+
+def _choice(ckpt: Checkpoint | None, found: FileInfo | None) -> dict[str, Any]:
+    """What process 0 opened, for the others (JSON)."""
+    if ckpt is not None:
+        return {"attempt": ckpt.manifest.attempt}
+    assert found is not None
+    return {"file": found.generation, "size": found.size}
+
+
+def _open_as(st: Store, name: str, want: dict[str, Any]) -> tuple[Checkpoint | None, FileInfo | None]:
+    """Open ``name`` as process 0 opened it (``want``, from :func:`_choice`), or raise
+    :class:`PreconditionFailedError`: it was replaced or deleted in between."""
+    where = st.driver.describe(name)
+    if not isinstance(want, dict) or not ("attempt" in want or {"file", "size"} <= set(want)):
+        raise CoordinationError(f"restore of {where}: process 0 published a malformed plan {want!r:.200}")
+    try:
+        ckpt, found = _open_here(st, name)
+    except NotFoundError:
+        ckpt, found = None, None
+    here = _choice(ckpt, found) if ckpt is not None or found is not None else None
+    if here is None or ("attempt" in want and here.get("attempt") != want["attempt"]) \
+            or ("file" in want and (here.get("file"), here.get("size")) != (want["file"], want["size"])):
+        raise PreconditionFailedError(
+            f"{where} was replaced or deleted while it was being read: process 0 read "
+            f"{_saved(want)}, this process finds {_saved(here) if here else 'nothing'}; restore it again")
+    return ckpt, found
+
+
+def _saved(choice: dict[str, Any]) -> str:
+    return f"attempt {choice['attempt']}" if "attempt" in choice else f"file generation {choice.get('file')}"
+
+
+def _replaced(ckpt: Checkpoint) -> str | None:
+    """What ``ckpt``'s name holds now if that is not ``ckpt`` any more ('nothing' once
+    deleted), read afresh; None while it is unchanged (or cannot be told)."""
+    try:
+        now = ckpt.store.strategy.current(ckpt.name)
+    except AtomicStoreError:
+        return None
+    if now == ckpt.manifest.attempt:
+        return None
+    return f"attempt {now}" if now else "nothing"
 
 
 def restore(
@@ -276,11 +341,23 @@ def restore(
     shard_fns: Any = None,
     threads: int | None = None,
     store: Store | None = None,
+    collective: bool = True,
+    timeout: float = DEFAULT_TIMEOUT,
     **storage_options: Any,
 ) -> Any:
     """Restore the checkpoint at ``<store>/<name>`` (ours, or a legacy flax msgpack file).
 
+    In a multi-host ``jax.distributed`` job every process calls it with the same
+    arguments: process 0 opens the checkpoint and the others read the very save it opened
+    (shared through JAX's coordination service), so all of them restore one save. If the
+    checkpoint is replaced or deleted before every process has read it, every process
+    raises :class:`~atomicstore.PreconditionFailedError` (restore it again); if any
+    process fails, every process raises.
+
     Args:
+        url_or_path: ``<store root>/<checkpoint name>`` (local path or URL); with
+            ``store``, the checkpoint's name alone, or a URL under ``store``'s root (any
+            other raises :class:`~atomicstore.InvalidArgumentError`).
         target: ``None`` returns plain containers (dicts, lists, tuples as saved); a pytree
             returns that structure and types (dataclasses, namedtuples, registered nodes),
             reading only the leaves it names. A target that is a subtree of the checkpoint
@@ -295,18 +372,87 @@ def restore(
             ``"a/b/c" -> fn(array)``.
         threads: parallel reads (default: 8 on local disk; on object stores as many
             ranged requests as the store's in-flight budget holds, 32 by default).
+        store: an already opened :class:`Store` to read from.
+        collective: multi-host only: ``False`` reads in this process alone, without the
+            others (e.g. in process 0 only); it is then not guaranteed to read the save
+            the other processes read.
+        timeout: multi-host only: seconds to wait for the other processes (after this
+            process's own reading).
+        **storage_options: passed to :func:`open_store`.
 
-    Raises :class:`~atomicstore.CorruptionError` naming the file and leaf for damaged data.
+    Raises :class:`~atomicstore.CorruptionError` naming the file and leaf for damaged data,
+    :class:`~atomicstore.PreconditionFailedError` when the checkpoint was replaced or
+    deleted while it was being read (read it again).
     """
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
+    return restore_with_manifest(url_or_path, target, subtree=subtree, allow_missing=allow_missing,
+                                 shard_fns=shard_fns, threads=threads, store=store, collective=collective,
+                                 timeout=timeout, **storage_options)[0]
+
+
+def restore_with_manifest(
+    url_or_path: str | os.PathLike[str],
+    target: Any = None,
+    *,
+    subtree: Selector = None,
+    allow_missing: bool = False,
+    shard_fns: Any = None,
+    threads: int | None = None,
+    store: Store | None = None,
+    collective: bool = True,
+    timeout: float = DEFAULT_TIMEOUT,
+    **storage_options: Any,
+) -> tuple[Any, Manifest | None]:
+    """:func:`restore`, and the manifest of the checkpoint it read (None for a legacy
+    flax file): its metadata belongs to exactly the save the tree came from."""
+    if not isinstance(collective, bool):
+        raise InvalidArgumentError("collective must be a bool")
+    session = Session.begin(f"restore of {url_or_path}", check_timeout(timeout)) if collective else None
+    try:
+        out = _restore(url_or_path, target, subtree=subtree, allow_missing=allow_missing, shard_fns=shard_fns,
+                       threads=threads, store=store, storage_options=storage_options, session=session)
+        if session is not None:
+            agree(session)
+    except BaseException as exc:
+        if session is not None:
+            session.fail(exc)
+        raise
+    return out
+
+
+def _restore(url_or_path: Any, target: Any, *, subtree: Selector, allow_missing: bool, shard_fns: Any,
+             threads: int | None, store: Store | None, storage_options: dict[str, Any],
+             session: Session | None) -> tuple[Any, Manifest | None]:
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise InvalidArgumentError("threads must be a positive int")
     if not isinstance(allow_missing, bool):
         raise InvalidArgumentError("allow_missing must be a bool")
     post = per_leaf_fn(shard_fns, "shard_fns")
     root = _select(subtree) or ()
-    ckpt, st = _open_checkpoint(url_or_path, store, storage_options)
+    st, name = _store_and_name(url_or_path, store, storage_options)
+    if session is not None and not session.main:
+        ckpt, found = _open_as(st, name, session.await_plan())  # the save process 0 opened
+    else:
+        ckpt, found = _open_here(st, name)
+        if session is not None:
+            session.publish_plan(_choice(ckpt, found))
     if threads is None:
-        threads = (ckpt.store if ckpt is not None else st[0]).driver.io_threads
+        threads = st.driver.io_threads
+    try:
+        return _read(st, name, ckpt, found, target, root, allow_missing, post, threads), (
+            ckpt.manifest if ckpt is not None else None)
+    except (CorruptionError, NotFoundError) as exc:
+        # a checkpoint replaced (or deleted) since it was opened: its files are gone or
+        # hold another save's bytes (which fail their checksums): say so, not "damaged"
+        if ckpt is None or (now := _replaced(ckpt)) is None:
+            raise
+        raise PreconditionFailedError(
+            f"{st.driver.describe(name)} was replaced or deleted while it was being read (attempt "
+            f"{ckpt.manifest.attempt} was read, it holds {now} now): restore it again") from exc
+
+
+def _read(st: Store, name: str, ckpt: Checkpoint | None, found: FileInfo | None, target: Any, root: Path,
+          allow_missing: bool, post: Callable[[Path, Any], Any] | None, threads: int) -> Any:
+    """Read the tree of the opened checkpoint (or legacy file ``found``)."""
     if ckpt is not None:
         where = ckpt.where(STATE_FILE)
         if STATE_FILE not in ckpt.files or INDEX_FILE not in ckpt.files:
@@ -324,18 +470,17 @@ def restore(
         def read_into(off: int, mv: memoryview) -> None:
             ckpt.read_range_into(STATE_FILE, off, mv)
     else:
-        store_, name = st
-        drv = store_.driver
+        assert found is not None
+        drv = st.driver
         where = drv.describe(name)
-        found = drv.info(name)
-        size = found.size
+        size, generation = found.size, found.generation
 
         def read_into(off: int, mv: memoryview) -> None:
             if off + mv.nbytes > size:
                 raise CorruptionError(f"{where}: read past the end", path=where)
             # a one-file checkpoint is replaced in place: every range from the version whose
             # size we read (else PreconditionFailedError: read it again), never a mix
-            if mv.nbytes and drv.read_into(name, off, mv, generation=found.generation) != mv.nbytes:
+            if mv.nbytes and drv.read_into(name, off, mv, generation=generation) != mv.nbytes:
                 raise CorruptionError(f"{where}: short read at byte {off}", path=where)
 
         def read(a: int, b: int) -> bytes:
@@ -394,10 +539,10 @@ def restore(
         )
     leaves = [lf for lf in plan.values() if lf is not None]
     values = reader.read([lf for lf in leaves if lf.kind != "sh"])
-    for path, found in plan.items():
-        if found is not None and found.kind == "sh":  # onto the target's sharding, if it has one
-            values[found.path] = restore_array(_shard_reader(ckpt, found, threads),
-                                               targets.get(path) if post is None else None)
+    for path, planned in plan.items():
+        if planned is not None and planned.kind == "sh":  # onto the target's sharding, if it has one
+            values[planned.path] = restore_array(_shard_reader(ckpt, planned, threads),
+                                                 targets.get(path) if post is None else None)
 
     def fill(path: Path, leaf: Any) -> Any:
         lf = plan.get(path)
@@ -431,7 +576,7 @@ def _onto(v: np.ndarray, leaf: Any) -> Any:
     if not sharding.is_fully_addressable:  # every process read it whole: each keeps its part
         return jax.make_array_from_callback(v.shape, sharding, lambda idx: v[idx])
     # v was just read into a buffer nobody else holds: the device may use it as is
-    return jax.device_put(v, sharding, may_alias=True)
+    return device_put_owned(v, sharding)
 
 
 def _shard_reader(ckpt: Checkpoint | None, lf: Leaf, threads: int) -> ShardReader:
@@ -440,4 +585,4 @@ def _shard_reader(ckpt: Checkpoint | None, lf: Leaf, threads: int) -> ShardReade
 
 
 
-__all__ = ["restore"]
+__all__ = ["restore", "restore_with_manifest"]

@@ -28,7 +28,7 @@ from ..drivers import Driver
 from ..errors import ChecksumMismatchError, CorruptionError, InvalidArgumentError
 from .dtypes import is_float
 from .format import SHARD_BLOCK, Shard, aligned_empty, bytes_view
-from .tree import Path, is_jax_array, path_str, rebuild
+from .tree import Path, device_put_owned, is_jax_array, path_str, rebuild
 
 #: ranged reads of one shard are split into pieces of about this size, read in parallel
 READ_PIECE = 4 * SHARD_BLOCK
@@ -286,7 +286,7 @@ def restore_array(reader: ShardReader, target: Any) -> Any:
     data = dict(zip(regions, reader.read(regions), strict=True))
     # each buffer is ours alone: let the device array use it without another copy
     return jax.make_array_from_single_device_arrays(shape, sharding, [
-        jax.device_put(data[norm_index(idx, shape)], dev, may_alias=True)
+        device_put_owned(data[norm_index(idx, shape)], dev)
         for dev, idx in index_map.items() if idx is not None])
 
 

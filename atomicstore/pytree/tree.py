@@ -8,6 +8,7 @@ FrozenDict...) is opened one level at a time with ``jax.tree_util`` key paths.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -28,6 +29,26 @@ def _jax() -> Any:
     except ImportError:  # pragma: no cover - numpy-only installs
         return None
     return jax
+
+
+_MAY_ALIAS: bool | None = None  # does this jax's device_put take may_alias? (asked once)
+
+
+def device_put_owned(x: np.ndarray, dest: Any) -> Any:
+    """``jax.device_put(x, dest)`` of a buffer nobody else holds: the device may use it as
+    is (``may_alias=True``) on a jax that has the option; older jax (0.4.30 has no
+    ``may_alias``) decides by itself whether to copy."""
+    global _MAY_ALIAS
+    import jax
+
+    if _MAY_ALIAS is None:
+        try:
+            _MAY_ALIAS = "may_alias" in inspect.signature(jax.device_put).parameters
+        except (TypeError, ValueError):  # pragma: no cover - a signature jax does not expose
+            _MAY_ALIAS = False
+    if _MAY_ALIAS:
+        return jax.device_put(x, dest, may_alias=True)
+    return jax.device_put(x, dest)
 
 
 def is_namedtuple(x: Any) -> bool:

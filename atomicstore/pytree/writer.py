@@ -39,6 +39,7 @@ from .format import (
     STATE_FILE,
     Shard,
     bytes_view,
+    checkpoint_name,
     shard_file,
     split_url,
 )
@@ -225,9 +226,15 @@ def _check_array(path: Path, arr: np.ndarray) -> None:
         )
 
 
+def _too_deep(path: Path, depth: int) -> None:
+    """Refuse what no reader would read back: msgpack nested deeper than ``mp.MAX_DEPTH``."""
+    raise InvalidArgumentError(f"tree nested {depth} levels deep at {path_str(path)}: at most {mp.MAX_DEPTH} "
+                               "(the deepest nesting a reader accepts)")
+
+
 def _write_node(em: _Emitter, node: Any, path: Path, index: list[list[Any]], opts: _SaveOptions, depth: int) -> None:
     if depth > mp.MAX_DEPTH:
-        raise InvalidArgumentError(f"tree deeper than {mp.MAX_DEPTH} levels at {path_str(path)}")
+        _too_deep(path, depth)
     kids = children(node, opts.sort_keys)
     if kids is not None and kids[0] != "none":
         kind, items = kids
@@ -247,7 +254,8 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list[list[Any]], opt
         for k, child in items:
             kb = pack(k if type(k) is str else k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k))
             hit = None
-            if plain and type(child) is ndarray and child.nbytes < 65536 and child.flags.c_contiguous:
+            if plain and depth < mp.MAX_DEPTH and type(child) is ndarray and child.nbytes < 65536 \
+                    and child.flags.c_contiguous:
                 # (only storable dtypes ever get a head: others go the checked way below)
                 hit = heads.get((child.dtype, child.shape, EXT_NDARRAY))
                 if hit is None and is_storable(child.dtype):
@@ -283,6 +291,8 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list[list[Any]], opt
             cast = None
         own = x is node and cast is None  # the tree's own array (not a converted temporary)
         if x.size * (cast or x.dtype).itemsize > FLAX_MAX_CHUNK:
+            if depth + 2 > mp.MAX_DEPTH:  # flax's chunked layout: two maps below the leaf
+                _too_deep(path, depth + 2)
             _write_chunked(em, x, path, index, own, cast)
             return
         off, n, crc, name = _ndarray_ext(em, x, EXT_NDARRAY, own, cast)
@@ -404,6 +414,23 @@ def _sharded_nodes(index: list[list[Any]], shards: dict[int, list[Shard]]) -> li
             for n in index]
 
 
+def check_depth(tree: Any, what: str = "tree", limit: int = mp.MAX_DEPTH) -> None:
+    """Refuse (:class:`InvalidArgumentError`) a tree nested deeper than ``limit`` (by default
+    what any reader reads back, ``msgpack_io.MAX_DEPTH``), or cyclic (its nesting never
+    ends), without recursion: before a save that is not written at once (an async save's
+    snapshot) or a conversion that recurses into it."""
+    stack: list[tuple[Any, int, Path]] = [(tree, 0, ())]
+    while stack:
+        node, depth, at = stack.pop()
+        if depth > limit:
+            raise InvalidArgumentError(
+                f"{what} nested more than {limit} levels deep at {path_str(at[:8])}/... "
+                f"(or cyclic: a container inside itself): at most {mp.MAX_DEPTH}, the deepest a reader accepts")
+        kids = children(node, False)
+        if kids is not None:
+            stack.extend((child, depth + 1, (*at, k)) for k, child in kids[1])
+
+
 class PreparedSave:
     """A tree made ready to be saved by :meth:`run`, possibly in another thread.
 
@@ -419,6 +446,8 @@ class PreparedSave:
                  progress: bool | Callable[[int], None] = False, sort_keys: bool = True,
                  session: Session | None = None, snapshot: bool = False, copy: bool = True) -> None:
         cast_dtype = _cast_dtype(cast_dtype)
+        if snapshot:  # (copied now, recursively: refuse a too deep or cyclic tree first)
+            check_depth(tree)
         self.session = session
         self.leaves: list[ShardedLeaf] = []
         self.shards: list[LocalShard] = []
@@ -518,7 +547,9 @@ def save(
     :class:`~atomicstore.CoordinationError`.
 
     Args:
-        url_or_path: ``<store root>/<checkpoint name>`` (local path or URL).
+        url_or_path: ``<store root>/<checkpoint name>`` (local path or URL); with
+            ``store``, the checkpoint's name alone, or a URL under ``store``'s root (any
+            other raises :class:`~atomicstore.InvalidArgumentError`, nothing written).
         tree: a pytree of arrays (numpy, ml_dtypes, jax, sharded or not), Python scalars,
             str, bytes, None, in dicts/lists/tuples/namedtuples/registered nodes.
         overwrite: replace an existing checkpoint of that name atomically.
@@ -528,15 +559,18 @@ def save(
             ``(path, leaf) -> leaf`` or a mapping ``"a/b/c" -> fn(leaf)``.
         progress: True for a progress line on stderr (when it is a terminal), or a
             callable receiving the bytes written so far.
-        store: an already opened :class:`Store` whose root is ``<store root>``.
+        store: an already opened :class:`Store` to save into.
         timeout: multi-host only: seconds to wait for the other processes.
         **storage_options: passed to :func:`open_store`.
     """
     session = Session.begin(f"save of {url_or_path}", check_timeout(timeout))
     try:
-        root, name = split_url(url_or_path)
+        if store is not None:
+            name = checkpoint_name(url_or_path, store.url, store.driver)
+        else:
+            root, name = split_url(url_or_path)
         job = PreparedSave(tree, cast_dtype=cast_dtype, gather_fns=gather_fns, progress=progress, session=session)
-        st = store or open_store(root, **storage_options)
+        st = store if store is not None else open_store(root, **storage_options)
     except BaseException as exc:
         if session is not None:
             session.fail(exc)
