@@ -13,8 +13,10 @@ a step whose metadata it cannot read.
 from __future__ import annotations
 
 import concurrent.futures
+import copy as copy_module
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -24,7 +26,15 @@ from typing import Any, cast
 import numpy as np
 
 from .commit import Store, open_store
-from .commit.names import natural_key
+from .commit.manifest import (
+    MAX_MANIFEST_BYTES,
+    MAX_METADATA_BYTES,
+    MAX_METADATA_DEPTH,
+    Manifest,
+    encode_metadata,
+    metadata_depth,
+)
+from .commit.names import natural_key, validate_name
 from .errors import (
     AtomicStoreError,
     CorruptionError,
@@ -32,7 +42,7 @@ from .errors import (
     NotFoundError,
     PreconditionFailedError,
 )
-from .pytree import DEFAULT_TIMEOUT, PreparedSave, Session
+from .pytree import DEFAULT_TIMEOUT, PreparedSave, Session, restore_with_manifest
 from .pytree import restore as restore_tree
 from .pytree.coordination import check_timeout, process_index_count
 
@@ -81,8 +91,9 @@ class CheckpointManager:
         keep: how many checkpoints retention keeps (the newest, or the best with
             ``best_fn``).
         keep_every_n_steps: also keep one checkpoint every this many steps.
-        best_fn: ``metrics -> float``; with it, the ``keep`` best are kept (ties and
-            checkpoints without metrics count as worst).
+        best_fn: ``metrics -> float``; with it, the ``keep`` best are kept. A step for
+            which it raises or returns NaN (no metrics, no such metric, a NaN metric)
+            ranks below every step with a number; among equal scores the newer ranks first.
         best_mode: ``"max"`` or ``"min"``.
         overwrite: allow saving a step that is not newer than the latest (the same step is
             replaced atomically; newer ones are removed once the new step committed).
@@ -92,7 +103,9 @@ class CheckpointManager:
         max_pending: saves in flight at once (async); the next ``save`` waits.
         storage_options: passed to fsspec.
         recover: run recovery (grace period rule) when the directory is opened (by
-            process 0 only, in a multi-host job).
+            process 0 only, in a multi-host job). It is housekeeping: if it fails (a
+            read-only mount, read-only credentials), that is logged once and the manager
+            opens anyway (reading works).
         timeout: multi-host jobs: seconds a process waits for the others in a save (see
             :func:`atomicstore.save`).
 
@@ -123,6 +136,11 @@ class CheckpointManager:
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         check_retention(prefix, keep, keep_every_n_steps)
+        try:
+            validate_name(f"{prefix}0")
+        except InvalidArgumentError:
+            raise InvalidArgumentError(f"prefix {prefix!r} cannot start a checkpoint name: use letters, "
+                                       "digits and '_.+=-', not starting with '.'") from None
         self.timeout = check_timeout(timeout)
         if best_mode not in ("max", "min"):
             raise InvalidArgumentError("best_mode must be 'max' or 'min'")
@@ -147,26 +165,50 @@ class CheckpointManager:
         self._verified: dict[str, tuple[str, dict[str, Any]]] = {}
         self._verified_lock = threading.Lock()
         if recover and process_index_count()[0] == 0:
-            report = self.store.recover(flax_prefix=prefix)
-            if report.actions:
-                log.info("%s", report.summary())
+            self._recover()
+
+    def _recover(self) -> None:
+        """Recovery on open. Housekeeping: a store this process cannot write to (read-only
+        mount or credentials) is still opened for reading; the failure is logged once per
+        store and process."""
+        try:
+            report = self.store.recover(flax_prefix=self.prefix)
+        except InvalidArgumentError:
+            raise
+        except (AtomicStoreError, OSError) as exc:
+            with _RECOVERY_FAILED_LOCK:
+                first = self.store.url not in _RECOVERY_FAILED
+                _RECOVERY_FAILED.add(self.store.url)
+            log.log(logging.WARNING if first else logging.DEBUG,
+                    "recovery of %s could not run, so leftovers of crashed saves stay there until a "
+                    "process that can write to it opens it (or runs `atomicstore recover`); the "
+                    "manager is open for reading (saves need write access): %s", self.store.url, exc)
+            return
+        if report.actions:
+            log.info("%s", report.summary())
 
     # -- naming ------------------------------------------------------------------------
     def _name(self, step: Step) -> str:
         return f"{self.prefix}{step}"
 
     def _step_of(self, name: str) -> Step | None:
+        """The step ``name`` is the checkpoint of, or None: only the name this manager
+        gives that step (``checkpoint_05`` or ``checkpoint_1e1`` is not a step: ``restore``
+        of the step it parses as would open another name)."""
         if not name.startswith(self.prefix):
             return None
         rest = name[len(self.prefix):]
+        step: Step
         try:
-            return int(rest)
+            step = int(rest)
         except ValueError:
             try:
-                v = float(rest)
+                step = float(rest)
             except ValueError:
                 return None
-            return v if np.isfinite(v) else None
+            if not np.isfinite(step):
+                return None
+        return step if self._name(step) == name else None
 
     def all_steps(self) -> list[Step]:
         """Committed steps, in natural order (read from storage, never cached)."""
@@ -181,9 +223,31 @@ class CheckpointManager:
     def metadata(self, step: Step) -> dict[str, Any]:
         """The metadata saved with ``step``: ``user``, ``metrics``, ``items``,
         ``started`` and ``committed`` (Unix times), ``version``, ``milestone``,
-        ``ephemeral``, ``step``, and ``attempt`` (the id of the save that committed it)."""
-        man = self.store.manifest(self._name(check_step(step)))
-        return {**man.metadata, "committed": man.committed, "attempt": man.attempt}
+        ``ephemeral``, ``step``, and ``attempt`` (the id of the save that committed it).
+        NaN and infinite metrics read back as floats. Raises
+        :class:`~atomicstore.CorruptionError` when the stored metadata is not what a
+        manager writes."""
+        name = self._name(check_step(step))
+        return self._decode(name, self.store.manifest(name))
+
+    def _decode(self, name: str, man: Manifest) -> dict[str, Any]:
+        """The metadata of manifest ``man`` of checkpoint ``name``, its non-finite metrics
+        restored; the manager's own fields are checked (they come from storage)."""
+        meta = {**man.metadata, "committed": man.committed, "attempt": man.attempt}
+        try:
+            for key in ("user", "metrics", "items"):
+                if not isinstance(meta.get(key, {}), dict):
+                    raise ValueError(f"{key} is not an object")
+            for key in ("milestone", "ephemeral"):
+                if not isinstance(meta.get(key, False), bool):
+                    raise ValueError(f"{key} is not a boolean")
+            if NONFINITE in meta:
+                meta["metrics"] = _restore_nonfinite(meta.get("metrics", {}), meta.pop(NONFINITE))
+        except ValueError as exc:
+            where = self.store.driver.describe(f"{name}/manifest.json")
+            raise CorruptionError(f"{where}: not the metadata of a CheckpointManager step ({exc})",
+                                  path="manifest.json") from None
+        return meta
 
     # -- saving ------------------------------------------------------------------------
     def save(
@@ -201,32 +265,40 @@ class CheckpointManager:
     ) -> None:
         """Save ``tree`` as ``step``, with optional named JSON ``items`` (e.g. a data
         iterator's position or a config) committed together with it. Raises an earlier
-        background save's error first."""
+        background save's error first.
+
+        ``metadata``, ``metrics`` and ``items`` are JSON (``metrics`` may hold NaN and
+        infinities: they read back as floats) and together take at most
+        :data:`~atomicstore.commit.manifest.MAX_METADATA_BYTES`. Every argument is checked
+        before ``save`` returns, also with ``async_save`` (:class:`InvalidArgumentError`
+        naming it); what fails in the background is raised by the next call."""
         session = Session.begin(f"save of step {step} in {self.store.url}", self.timeout)
         try:  # (the session is drawn first: every process draws it, whatever fails next)
             self._check_open()
             self._raise_pending_error()
             step = check_step(step)
+            for flag, val in (("force", force), ("milestone", milestone), ("ephemeral", ephemeral),
+                              ("copy", copy)):
+                if not isinstance(val, bool | np.bool_):
+                    raise InvalidArgumentError(f"{flag} must be a bool, not {type(val).__name__}")
             if milestone and ephemeral:
                 raise InvalidArgumentError("a checkpoint cannot be both a milestone and ephemeral")
-            for what, val in (("metadata", metadata), ("metrics", metrics), ("items", items)):
-                if val is not None and not isinstance(val, dict):
-                    raise InvalidArgumentError(f"{what} must be a dict of JSON values")
-                try:
-                    json.dumps(val, allow_nan=what == "metrics")
-                except (TypeError, ValueError) as exc:
-                    raise InvalidArgumentError(f"{what} must hold JSON values only (nothing executable is "
-                                               f"stored): {exc}") from None
-            if items is not None and not all(isinstance(k, str) and k for k in items):
+            try:
+                validate_name(self._name(step))
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"step {step!r}: {exc}") from None
+            if items is not None and isinstance(items, dict) and not all(isinstance(k, str) and k for k in items):
                 raise InvalidArgumentError("items must be named by non-empty strings")
-            overwrite = self.overwrite or force
+            user = _json_argument(metadata, metrics, items)
+            overwrite = self.overwrite or bool(force)
             newer: list[Step] = []
             if session is None or session.main:  # process 0 decides on the step
                 newer = self._newer(step, overwrite)
-            meta = {"user": metadata or {}, "metrics": metrics or {}, "started": time.time(),
-                    "version": _version(), "milestone": milestone, "ephemeral": ephemeral, "step": step,
-                    "items": json.loads(json.dumps(items or {}))}
-            job = PreparedSave(tree, session=session, snapshot=self.async_save, copy=copy)
+                # 2.0 and 2 are one step: replacing it keeps the name it was committed under
+                step = next((s for s in newer if s == step), step)
+            meta = {**user, "started": time.time(), "version": _version(), "milestone": bool(milestone),
+                    "ephemeral": bool(ephemeral), "step": step}
+            job = PreparedSave(tree, session=session, snapshot=self.async_save, copy=bool(copy))
             if not self.async_save:
                 gens = self._generations(newer) if overwrite else {}
         except BaseException as exc:
@@ -357,7 +429,7 @@ class CheckpointManager:
                         return None
                     # changed since the listing: read what is there now, not remembered
                 else:
-                    meta = {**man.metadata, "committed": man.committed, "attempt": man.attempt}
+                    meta = self._decode(name, man)
                     with self._verified_lock:
                         self._verified[name] = (generation, meta)
                     return meta
@@ -392,9 +464,15 @@ class CheckpointManager:
         if self.best_fn is not None:
             def score(s: Step) -> float:
                 try:
-                    v = float(self.best_fn(metas[s].get("metrics") or {}))  # type: ignore[misc]
+                    raw = self.best_fn(metas[s].get("metrics") or {})  # type: ignore[misc]
+                    try:
+                        v = float(raw)
+                    except OverflowError:  # an int beyond a float's range (10**400): still ordered
+                        v = math.inf if raw > 0 else -math.inf
                 except Exception:  # noqa: BLE001 - no usable metric: worst
-                    return -np.inf
+                    return -math.inf
+                if math.isnan(v):  # (no order: it would make the ranking arbitrary)
+                    return -math.inf
                 return v if self.best_mode == "max" else -v
             ranked = sorted(candidates, key=lambda s: (score(s), natural_key(str(s))), reverse=True)
             keep = set(ranked[: self.keep])
@@ -424,17 +502,33 @@ class CheckpointManager:
         """Restore ``step`` (the latest when None); with ``with_items``, return
         ``(tree, items)``. Other arguments as for :func:`atomicstore.restore`. Raises
         :class:`NotFoundError` when there is no checkpoint. Waits for background saves
-        first, so a step just saved is restorable."""
+        first, so a step just saved is restorable. In a multi-host job every process
+        calls it: process 0 picks the step (when None) and the save, every process
+        restores that one or every process raises (see ``docs/multiprocess.md``)."""
         self.wait_until_finished()
-        if step is None:  # (every process sees the same steps once a save returned everywhere)
-            step = self.latest_step()
+        kwargs.setdefault("timeout", self.timeout)
+        if step is None:
+            # multi-host: process 0 picks the latest step for every process (another job
+            # may commit a step between two processes' listings)
+            session = (Session.begin(f"latest step to restore in {self.store.url}", self.timeout)
+                       if kwargs.get("collective", True) is True else None)
+            step = self.latest_step() if session is None else session.decide(self.latest_step)
             if step is None:
                 raise NotFoundError(f"no checkpoint with prefix {self.prefix!r} in {self.store.url}")
         step = check_step(step)
         t0 = time.monotonic()
-        out = restore_tree(f"{self.store.url}/{self._name(step)}", target, store=self.store, **kwargs)
+        url = f"{self.store.url}/{self._name(step)}"
+        if not with_items:
+            out = restore_tree(url, target, store=self.store, **kwargs)
+            record_event(READ_EVENT, time.monotonic() - t0)
+            return out
+        out, man = restore_with_manifest(url, target, store=self.store, **kwargs)
         record_event(READ_EVENT, time.monotonic() - t0)
-        return (out, self.items(step)) if with_items else out
+        # the items of the very save restored, not of one that replaced it since
+        # (decoded and checked like any stored metadata: hostile items are CorruptionError)
+        name = self._name(step)
+        return out, (dict(self._decode(name, man).get("items") or {}) if man is not None
+                     else self.items(step))
 
     def items(self, step: Step) -> dict[str, Any]:
         """The named JSON items saved with ``step``."""
@@ -502,6 +596,98 @@ class CheckpointManager:
         else:  # do not mask the exception in flight
             self._closed = True
             self.wait_until_finished(_raise=False)
+
+
+#: what ``save``'s ``metadata``, ``metrics`` and ``items`` may take together (bytes of JSON):
+#: a checkpoint's metadata limit, less room for the manager's own fields
+USER_METADATA_BYTES = MAX_METADATA_BYTES - 1024
+
+#: recovery on open failed for these store URLs (logged once per store and process)
+_RECOVERY_FAILED: set[str] = set()
+_RECOVERY_FAILED_LOCK = threading.Lock()
+
+#: metadata key listing the non-finite metrics: ``[[path, "nan" | "inf" | "-inf"], ...]``,
+#: each path (object keys and array indices) leading to a ``null`` in ``metrics``
+NONFINITE = "metrics_nonfinite"
+_NONFINITE_VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _json_argument(metadata: Any, metrics: Any, items: Any) -> dict[str, Any]:
+    """The manager's metadata fields for ``save``'s ``metadata``, ``metrics`` and
+    ``items``: checked (JSON, nesting, size, each named; then together), copied (a caller
+    changing them after an async ``save`` returned changes nothing), and the non-finite
+    metrics listed apart so that the manifest stays strict JSON."""
+    fields: dict[str, Any] = {}
+    sizes: dict[str, int] = {}
+    for what, key, val in (("metadata", "user", metadata), ("metrics", "metrics", metrics),
+                           ("items", "items", items)):
+        val = {} if val is None else val
+        extra: dict[str, Any] = {}
+        if what == "metrics" and isinstance(val, dict):
+            val, nonfinite = _split_nonfinite(val)
+            if nonfinite:
+                extra[NONFINITE] = nonfinite
+        text = encode_metadata(val, what=what, depth=MAX_METADATA_DEPTH - 1, limit=USER_METADATA_BYTES)
+        sizes[what] = len(text) + (len(json.dumps(extra[NONFINITE])) if extra else 0)
+        fields[key] = json.loads(text)
+        fields.update(extra)
+    if sum(sizes.values()) > USER_METADATA_BYTES:
+        parts = ", ".join(f"{k} {v:,}" for k, v in sizes.items())
+        raise InvalidArgumentError(
+            f"metadata, metrics and items together take {sum(sizes.values()):,} bytes as JSON "
+            f"({parts}), over the {USER_METADATA_BYTES:,} a step's metadata may take "
+            f"(readers refuse manifests over {MAX_MANIFEST_BYTES:,} bytes)"
+        )
+    return fields
+
+
+def _split_nonfinite(metrics: dict[str, Any]) -> tuple[dict[str, Any], list[list[Any]]]:
+    """``metrics`` as JSON values with each NaN or infinity replaced by None, and the
+    list of where they were (see :data:`NONFINITE`)."""
+    try:
+        plain = json.loads(json.dumps(metrics))  # (keys as JSON makes them; tuples as lists)
+    except RecursionError:
+        raise InvalidArgumentError(f"metrics is nested deeper than {MAX_METADATA_DEPTH - 1} levels") from None
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"metrics must hold JSON values only (nothing executable is "
+                                   f"stored): {exc}") from None
+    found: list[list[Any]] = []
+    todo: list[tuple[Any, list[Any]]] = [(plain, [])]
+    while todo:
+        node, path = todo.pop()
+        pairs = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in pairs:
+            if isinstance(v, float) and not math.isfinite(v):
+                node[k] = None
+                found.append([[*path, k], "nan" if math.isnan(v) else "inf" if v > 0 else "-inf"])
+            elif isinstance(v, dict | list) and len(path) < MAX_METADATA_DEPTH:
+                todo.append((v, [*path, k]))
+    return plain, sorted(found, key=json.dumps)
+
+
+def _restore_nonfinite(metrics: Any, nonfinite: Any) -> dict[str, Any]:
+    """``metrics`` with the values :data:`NONFINITE` lists put back (a copy); ValueError
+    if the list is not what :func:`_split_nonfinite` writes."""
+    if not isinstance(nonfinite, list) or not isinstance(metrics, dict):
+        raise ValueError(f"{NONFINITE} is not a list")
+    if metadata_depth(metrics) > MAX_METADATA_DEPTH:  # (a manager never writes it: deepcopy could not copy it)
+        raise ValueError(f"metrics nested deeper than {MAX_METADATA_DEPTH} levels")
+    out = copy_module.deepcopy(metrics)
+    for entry in nonfinite:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list) and entry[0]
+                and isinstance(entry[1], str) and entry[1] in _NONFINITE_VALUES):
+            raise ValueError(f"bad {NONFINITE} entry {str(entry)[:80]}")
+        path, parent, node = entry[0], None, out
+        for k in path:
+            ok = (isinstance(node, dict) and isinstance(k, str) and k in node) or (
+                isinstance(node, list) and type(k) is int and 0 <= k < len(node))
+            if not ok:
+                raise ValueError(f"{NONFINITE} path {str(path)[:80]} is not in metrics")
+            parent, node = node, node[k]
+        if node is not None:
+            raise ValueError(f"{NONFINITE} path {str(path)[:80]} does not lead to null")
+        parent[path[-1]] = _NONFINITE_VALUES[entry[1]]
+    return out
 
 
 def _version() -> str:

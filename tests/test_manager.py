@@ -144,11 +144,22 @@ def test_async_error_is_raised_by_next_save(tmp_path):
 
 
 def test_opening_runs_recovery(tmp_path):
-    (tmp_path / "checkpoint_tmp").write_bytes(b"flax staging left by a crash")
-    import os
-    os.utime(tmp_path / "checkpoint_tmp", (1, 1))  # long ago
+    """A save that crashed a day ago (its lease and staged data untouched since) is
+    removed when a manager opens the directory."""
+    from crashsim import Crasher, CrashingDriver, SimulatedCrash
+
+    store = atomicstore.open_store(tmp_path)
+    crashing = atomicstore.Store(CrashingDriver(store.driver, Crasher(crash_at=4)), lease_ttl=3600)
+    with pytest.raises(SimulatedCrash):
+        with crashing.transaction("checkpoint_1") as txn:
+            txn.write_bytes("a.bin", b"x" * 100)
+            txn.write_bytes("b.bin", b"y" * 100)
+    day_ago = time.time() - 86400
+    for p in (tmp_path / ".atomicstore").rglob("*"):
+        os.utime(p, (day_ago, day_ago))
+    assert store.recover(dry_run=True).actions
     CheckpointManager(tmp_path)
-    assert not (tmp_path / "checkpoint_tmp").exists()
+    assert not store.recover(dry_run=True).actions
 
 
 @pytest.mark.parametrize("kwargs", [{"keep": 0}, {"prefix": ""}, {"prefix": "a/b"}, {"best_mode": "mid"},
