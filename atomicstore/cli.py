@@ -11,31 +11,52 @@
 Every command takes ``--json`` (machine-readable output on stdout) and
 ``-o KEY=VALUE`` storage options (VALUE parsed as JSON when it can be). Exit status: 0
 success, 1 verification failed or data corrupt, 2 bad arguments or URL, 3 not found,
-4 storage error, 5 the destination exists. A user error prints one line, never a traceback.
+4 storage error, 5 the destination exists, 6 another writer replaced or deleted the
+checkpoint while the command was working on it (nothing was changed: run it again). A user
+error prints one line, never a traceback.
+
+``cp``, ``rm``, ``verify`` and ``inspect`` act only on checkpoints: a committed one of the
+native layout or a flax one-file checkpoint. A path inside a checkpoint, inside a save's
+attempt or atomicstore's reserved directory is refused (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import __version__
-from .commit import Store, open_store
+from .commit import Store, crc32c, open_store, validate_name
+from .commit.names import RESERVED_DIR
+from .commit.strategies import ATTEMPT_PREFIX
 from .errors import (
     AlreadyExistsError,
     AtomicStoreError,
     CorruptionError,
     InvalidArgumentError,
     NotFoundError,
+    PreconditionFailedError,
     StorageError,
 )
 from .pytree import split_url
 
-EXIT_OK, EXIT_BAD_DATA, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_STORAGE, EXIT_EXISTS = 0, 1, 2, 3, 4, 5
+log = logging.getLogger("atomicstore.cli")
+
+EXIT_OK, EXIT_BAD_DATA, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_STORAGE, EXIT_EXISTS, EXIT_CHANGED = 0, 1, 2, 3, 4, 5, 6
+
+#: how many times ``cp``, ``verify`` and ``inspect`` start again on a checkpoint that another
+#: writer replaced while they read it, before they give up (exit 6)
+TRIES = 3
+#: bytes read (and written) at a time when copying a flax one-file checkpoint
+COPY_CHUNK = 32 * 2**20
+#: kinds of what a URL names: a committed checkpoint of the native layout, a flax one-file checkpoint
+NATIVE, ONE_FILE = "checkpoint", "flax file"
 
 
 class _Out:
@@ -107,16 +128,192 @@ def _step(name: str) -> str | None:
     return m[-1] if m and name.endswith(m[-1]) else None
 
 
+def _starts_like_flax(head: bytes) -> bool:
+    """Whether a file's first byte is that of a flax state: a msgpack map (a damaged flax
+    checkpoint still starts with one; a text file, an empty file or anything else does not)."""
+    return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
+
+
 def _flax_files(st: Store, committed: set[str]) -> list[str]:
-    """Top-level plain files that are flax legacy checkpoints ``<prefix><step>``."""
+    """Top-level plain files that are flax legacy checkpoints ``<prefix><step>``: a regular
+    file (not a directory, FIFO or dangling link) that starts like a flax state. Anything
+    else named like one (``logs2026/``, a text file ``data1``) is not a checkpoint: skipped."""
     out = []
     for e in st.driver.listdir(""):
         name = e.name.rstrip("/")
-        if name in committed or name.startswith(".") or name.endswith("_gda"):
+        if e.is_dir or name in committed or name.startswith(".") or name.endswith("_gda"):
             continue
-        if _step(name) is not None and st.driver.exists(name) and not st.driver.listdir(name):
+        if _step(name) is None or _one_file_info(st, name) is None:
+            continue
+        try:
+            head = st.driver.read(name, 0, 1)
+        except (NotFoundError, StorageError, OSError):
+            continue  # deleted since the listing, or not readable as a file
+        if _starts_like_flax(head):
             out.append(name)
     return out
+
+
+def _holds_anything(st: Store) -> bool:
+    """Whether the store's root holds atomicstore's reserved directory (a store that was
+    used), so an empty listing means "a store with no checkpoints", not "nothing there"."""
+    return any(e.name.rstrip("/") == RESERVED_DIR for e in st.driver.listdir(""))
+
+
+# -- what a URL names -----------------------------------------------------------------------------
+class _Replaced(Exception):
+    """The checkpoint being read was replaced or deleted by another writer meanwhile: the
+    command starts again (at most :data:`TRIES` times)."""
+
+
+def _is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def _inside(root: str, options: dict[str, Any]) -> str | None:
+    """Where ``root`` (a store root about to be used) lies inside something that is not a
+    store: a committed checkpoint, a save's attempt, atomicstore's reserved directory or
+    the arrays directory of a flax checkpoint (``<name>_gda``). Returns a description of it,
+    or None. Each ancestor is asked through the commit layer (``Store.exists``)."""
+    cur = root.removeprefix("file://").rstrip("/")
+    if _is_local(root):
+        cur = os.path.abspath(cur)
+    for _ in range(64):
+        parent, _sep, base = cur.rpartition("/")
+        if not parent or parent.endswith(":/") or parent.endswith("://"):
+            return None  # a bucket, or a top-level directory
+        if base == RESERVED_DIR:
+            return f"{cur} (atomicstore's reserved directory)"
+        if base.startswith(ATTEMPT_PREFIX):
+            return f"{cur} (the files of one save attempt)"
+        if _is_local(root) and not os.path.isdir(cur):
+            cur = parent  # not there (a destination to be made): nothing to ask
+            continue
+        try:
+            validate_name(base)
+        except InvalidArgumentError:
+            cur = parent  # no checkpoint can have this name
+            continue
+        outer = _open(parent, {} if _is_local(root) else options)
+        try:
+            if outer.exists(base):
+                return f"checkpoint {outer.driver.describe(base)}"
+        except CorruptionError:  # committed, its commit point unreadable: still a checkpoint
+            return f"checkpoint {outer.driver.describe(base)}"
+        if base.endswith("_gda") and _one_file_info(outer, base[: -len("_gda")]) is not None:
+            return f"{outer.driver.describe(base)} (the arrays of flax checkpoint {base[: -len('_gda')]})"
+        cur = parent
+    return None
+
+
+def _one_file_info(st: Store, name: str) -> Any:
+    """The driver's ``FileInfo`` of a plain file/object ``name`` at the root of ``st``, None
+    if there is none (a directory, FIFO, dangling link or prefix is not one)."""
+    try:
+        return st.driver.info(name)
+    except (NotFoundError, InvalidArgumentError):
+        return None
+
+
+def _kind(st: Store, name: str) -> str | None:
+    """:data:`NATIVE` if ``name`` is a committed checkpoint (even one whose commit point or
+    manifest is damaged), :data:`ONE_FILE` if it is a file at the store's root, else None."""
+    try:
+        if st.exists(name):
+            return NATIVE
+    except CorruptionError:
+        return NATIVE
+    return ONE_FILE if _one_file_info(st, name) is not None else None
+
+
+def _resolve(root: str, name: str, options: dict[str, Any], *, create: bool = False) -> tuple[Store, str, str | None]:
+    """(store, name, kind) of ``<root>/<name>``, refusing (exit 2) a name no checkpoint can
+    have and a path inside a checkpoint, an attempt or the reserved directory."""
+    validate_name(name)
+    where = _inside(root, options)
+    if where is not None:
+        raise InvalidArgumentError(
+            f"{root}/{name} is inside {where}: a path inside a checkpoint is not a checkpoint "
+            "(name the checkpoint itself)")
+    st = _open(root, options, create=create)
+    return st, name, _kind(st, name)
+
+
+def _locate(url: str, options: dict[str, Any]) -> tuple[Store, str, str]:
+    """:func:`_resolve` of ``STORE/NAME``; NotFoundError (exit 3) if nothing is there."""
+    root, name = split_url(url)
+    st, name, kind = _resolve(root, name, options)
+    if kind is None:
+        raise NotFoundError(f"no checkpoint {name!r} in {st.url}")
+    return st, name, kind
+
+
+class _OneFile:
+    """Ranged reads of one version of a flax one-file checkpoint: every read is
+    conditional on the generation first read (S3 ``If-Match``, GCS ``ifGenerationMatch``,
+    the opened inode on POSIX), as ``restore`` reads it. A read that finds the file
+    replaced or deleted raises :class:`_Replaced`."""
+
+    def __init__(self, st: Store, name: str) -> None:
+        self.st, self.name = st, name
+        self.where = st.driver.describe(name)
+        info = st.driver.info(name)
+        self.size, self.generation = info.size, info.generation
+
+    def read_into(self, off: int, mv: memoryview) -> None:
+        try:
+            n = self.st.driver.read_into(self.name, off, mv, generation=self.generation)
+        except (PreconditionFailedError, NotFoundError) as exc:
+            raise _Replaced(str(exc)) from exc
+        if n != mv.nbytes:
+            raise CorruptionError(f"{self.where}: short read at byte {off} ({n} of {mv.nbytes} bytes)",
+                                  path=self.name)
+
+    def read(self, a: int, b: int) -> bytes:
+        buf = bytearray(b - a)
+        self.read_into(a, memoryview(buf))
+        return bytes(buf)
+
+    def index(self) -> Any:
+        """The structure check: the msgpack tree scanned with ranged reads (only headers are
+        read; every length is checked before anything is allocated)."""
+        from .pytree.format import index_of_msgpack
+
+        return index_of_msgpack(self.read, self.size, self.where)
+
+    def chunks(self, buf: bytearray) -> Any:
+        """Every byte in order, in views of ``buf`` (reused: consume each before the next)."""
+        for off in range(0, self.size, len(buf)):
+            mv = memoryview(buf)[: min(len(buf), self.size - off)]
+            self.read_into(off, mv)
+            yield mv
+
+    def crc32c(self, buf: bytearray) -> int:
+        crc = 0
+        for mv in self.chunks(buf):
+            crc = crc32c(mv, crc)
+        return crc
+
+
+def _attempt(st: Store, name: str) -> str | None:
+    """The attempt that committed ``name`` now (None if it is not committed)."""
+    try:
+        return st.open(name).manifest.attempt
+    except (NotFoundError, CorruptionError):
+        return None
+
+
+def _tries(what: str, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` again while it finds its checkpoint replaced; :class:`PreconditionFailedError`
+    (exit 6) after :data:`TRIES` times."""
+    for _ in range(TRIES):
+        try:
+            return fn()
+        except _Replaced as exc:
+            last = str(exc)
+    raise PreconditionFailedError(
+        f"{what} was replaced by another writer {TRIES} times while it was read ({_first_line(last)}); "
+        "nothing was changed: run the command again")
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -136,7 +333,9 @@ def cmd_ls(args: argparse.Namespace, out: _Out) -> int:
         rows.append({"name": name, "step": _step(name), "kind": "checkpoint", "bytes": man.total_bytes,
                      "files": len(man.files), "committed": man.committed or man.created})
     for name in _flax_files(st, set(names)):
-        info = st.driver.info(name)
+        info = _one_file_info(st, name)
+        if info is None:
+            continue  # deleted since the listing
         rows.append({"name": name, "step": _step(name), "kind": "flax file", "bytes": info.size, "files": 1,
                      "committed": info.mtime})
     doc: dict[str, Any] = {"store": st.url, "checkpoints": rows}
@@ -215,30 +414,57 @@ def _check_index(ck: Any) -> None:
                     sizes=_manifest_sizes(ck))
 
 
-def _verify_one(st: Store, name: str) -> dict[str, Any]:
+def _verify_one(st: Store, name: str, kind: str) -> dict[str, Any]:
     try:
-        if st.exists(name):
-            ck = st.open(name)
-            man = ck.manifest
-            bar = _Progress(f"verify {name}", man.total_bytes)
-            st.verify(name)
-            bar.done()
-            _check_index(ck)
-            return {"name": name, "ok": True, "bytes": man.total_bytes}
-        if st.driver.exists(name):  # a flax legacy file: check its structure leaf by leaf
-            from .pytree import restore
-
-            restore(f"{st.url}/{name}", store=st)
-            return {"name": name, "ok": True, "bytes": st.driver.info(name).size}
-        raise NotFoundError(f"no checkpoint {name!r} in {st.url}")
+        if kind == NATIVE:
+            doc: dict[str, Any] = _tries(st.driver.describe(name), lambda: _verify_native(st, name))
+        elif kind == ONE_FILE:
+            doc = _tries(st.driver.describe(name), lambda: _verify_one_file(st, name))
+        else:
+            raise NotFoundError(f"no checkpoint {name!r} in {st.url}")
+        return doc
     except CorruptionError as exc:
         leaf = exc.leaf or _bad_leaf(st, name, exc.path)
         return {"name": name, "ok": False, "file": exc.path, "leaf": leaf, "error": str(exc)}
 
 
+def _verify_native(st: Store, name: str) -> dict[str, Any]:
+    ck = st.open(name)
+    man = ck.manifest
+    bar = _Progress(f"verify {name}", man.total_bytes)
+    try:
+        ck.verify()
+        _check_index(ck)
+    except (CorruptionError, NotFoundError) as exc:
+        if _attempt(st, name) != man.attempt:  # replaced or deleted while read: not damage
+            raise _Replaced(str(exc)) from exc
+        raise
+    finally:
+        bar.done()
+    return {"name": name, "ok": True, "bytes": man.total_bytes}
+
+
+def _verify_one_file(st: Store, name: str) -> dict[str, Any]:
+    """A flax file carries no checksums: its structure is checked leaf by leaf (every
+    declared length against the file) and every byte is read, all from one version,
+    streamed (memory bounded by one chunk and the index)."""
+    f = _OneFile(st, name)
+    f.index()
+    for _ in f.chunks(bytearray(min(COPY_CHUNK, max(f.size, 1)))):
+        pass
+    return {"name": name, "ok": True, "bytes": f.size}
+
+
 def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
-    st, names = _store_or_checkpoint(args.url, args.options)
-    results = [_verify_one(st, n) for n in names]
+    st, names, single = _store_or_checkpoint(args.url, args.options)
+    results = []
+    for name, kind in names:
+        try:
+            results.append(_verify_one(st, name, kind))
+        except NotFoundError:
+            if single:
+                raise
+            continue  # deleted since the listing
 
     def human() -> None:
         for r in results:
@@ -254,38 +480,54 @@ def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
     return EXIT_OK if all(r["ok"] for r in results) else EXIT_BAD_DATA
 
 
+#: stores the running command opened, by URL and options (it may ask one root twice: an
+#: object-store client costs a connection to make)
+_STORES: dict[tuple[str, str], Store] = {}
+
+
 def _open(url: str, options: dict[str, Any], *, create: bool = False) -> Store:
     """open_store, refusing a local directory that does not exist (unless ``create``)."""
-    if "://" not in url and not create:
-        import os
+    if "://" not in url and not create and not os.path.isdir(url.removeprefix("file://")):
+        raise NotFoundError(f"{url}: no such directory")
+    key = (url, json.dumps(options, sort_keys=True, default=str))
+    st = _STORES.get(key)
+    if st is None:
+        st = _STORES[key] = open_store(url, **options)
+    return st
 
-        if not os.path.isdir(url.removeprefix("file://")):
-            raise NotFoundError(f"{url}: no such directory")
-    return open_store(url, **options)
 
-
-def _store_or_checkpoint(url: str, options: dict[str, Any]) -> tuple[Store, list[str]]:
-    """URL names a checkpoint (``STORE/NAME``) or a store (all its checkpoints)."""
-    import os
-
-    if "://" not in url:
-        if os.path.isfile(url) or os.path.isfile(os.path.join(url, "manifest.json")):
-            root, name = split_url(os.path.abspath(url))
-            return open_store(root), [name]
+def _store_or_checkpoint(url: str, options: dict[str, Any]) -> tuple[Store, list[tuple[str, str]], bool]:
+    """URL names a checkpoint (``STORE/NAME``) or a store (all its checkpoints): (store,
+    [(name, kind)], whether the URL named one checkpoint)."""
+    try:
+        root, name = split_url(url.removeprefix("file://") if _is_local(url) else url)
+        validate_name(name)
+    except InvalidArgumentError:
+        pass  # no checkpoint can have this name: a store
     else:
-        try:
-            root, name = split_url(url)
-            parent = open_store(root, **options)
-            if parent.exists(name) or parent.driver.exists(name):
-                return parent, [name]
-        except InvalidArgumentError:
-            pass
+        if _is_local(url):
+            root = os.path.abspath(root)
+        if not _is_local(url) or os.path.isdir(root):
+            parent, name, kind = _resolve(root, name, options)
+            if kind is not None:
+                return parent, [(name, kind)], True
+            # not a checkpoint: a store only if it holds checkpoints or was used as one
+            st = _open(url, options)
+            names = st.list()
+            found = [(n, NATIVE) for n in names] + [(n, ONE_FILE) for n in _flax_files(st, set(names))]
+            if not found and not _holds_anything(st):
+                raise NotFoundError(f"no checkpoint {name!r} in {parent.url} (and {st.url} is not a store "
+                                    "holding checkpoints)")
+            return st, found, False
     st = _open(url, options)
     names = st.list()
-    return st, names + _flax_files(st, set(names))
+    return st, [(n, NATIVE) for n in names] + [(n, ONE_FILE) for n in _flax_files(st, set(names))], False
 
 
 def cmd_recover(args: argparse.Namespace, out: _Out) -> int:
+    where = _inside(args.url, args.options)
+    if where is not None:  # its "leftovers" are a checkpoint's (or a live save's) files
+        raise InvalidArgumentError(f"{args.url} is inside {where}, not a store: recover the store that holds it")
     st = _open(args.url, args.options)
     rep = st.recover(dry_run=args.dry_run, grace=args.grace, flax_prefix=args.flax_prefix)
     doc = {"store": st.url, "dry_run": rep.dry_run, "committed": rep.committed, "in_flight": rep.in_flight,
@@ -305,15 +547,18 @@ def _span(start: Sequence[int], shape: Sequence[int]) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
+    st, name, kind = _locate(args.url, args.options)
+    return int(_tries(st.driver.describe(name), lambda: _inspect(st, name, kind, out)))
+
+
+def _inspect(st: Store, name: str, kind: str, out: _Out) -> int:
     import math
 
-    from .pytree.format import INDEX_FILE, STATE_FILE, index_of_msgpack, parse_index
+    from .pytree.format import INDEX_FILE, STATE_FILE, parse_index
     from .pytree.tree import path_str
 
-    root, name = split_url(args.url)
-    st = _open(root, args.options)
     meta: dict[str, Any] = {}
-    if st.exists(name):
+    if kind == NATIVE:
         ck = st.open(name)
         meta = ck.metadata
         if INDEX_FILE not in ck.files:
@@ -321,19 +566,15 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
             out.emit({"name": name, "files": files, "metadata": meta},
                      lambda: [print(f"{p}  {_size(n)}") for p, n in files.items()])
             return EXIT_OK
-        idx = parse_index(ck.read_bytes(INDEX_FILE), ck.files[STATE_FILE].size, ck.where(INDEX_FILE),
-                          sizes=_manifest_sizes(ck))
-        kind = "checkpoint"
-    elif st.driver.exists(name):
-        size = st.driver.info(name).size
-
-        def read(a: int, b: int) -> bytes:
-            return st.driver.read(name, a, b)
-
-        idx = index_of_msgpack(read, size, st.driver.describe(name))
-        kind = "flax file"
-    else:
-        raise NotFoundError(f"no checkpoint {name!r} in {st.url}")
+        try:
+            idx = parse_index(ck.read_bytes(INDEX_FILE), ck.files[STATE_FILE].size, ck.where(INDEX_FILE),
+                              sizes=_manifest_sizes(ck))
+        except (CorruptionError, NotFoundError) as exc:
+            if _attempt(st, name) != ck.manifest.attempt:  # replaced or deleted while read
+                raise _Replaced(str(exc)) from exc
+            raise
+    else:  # every range from the version first read
+        idx = _OneFile(st, name).index()
     leaves: list[dict[str, Any]] = []
     for lf in idx.leaves.values():
         nbytes = sum(n for _, n, _ in lf.ranges) if lf.kind in ("nd", "ndc", "sc") else None
@@ -381,59 +622,126 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
 def cmd_cp(args: argparse.Namespace, out: _Out) -> int:
     sroot, sname = split_url(args.src)
     # -o is for the remote side(s); a local path takes no storage options
-    src = _open(sroot, args.options if "://" in sroot else {})
+    src, sname, skind = _resolve(sroot, sname, args.options if "://" in sroot else {})
+    if skind is None:
+        raise NotFoundError(f"no checkpoint {sname!r} in {src.url}")
     dst_opts = _options(args.dst_option) if args.dst_option else (args.options if "://" in args.dst else {})
     try:
         droot, dname = split_url(args.dst)
-        dst = open_store(droot, **dst_opts)
     except InvalidArgumentError:
-        dst, dname = open_store(args.dst, **dst_opts), sname
-    t0 = time.monotonic()
-    if not args.force and (dst.exists(dname) or dst.driver.exists(dname)):
+        droot, dname = args.dst, sname  # a bucket: the same name there
+    dst, dname, dkind = _resolve(droot, dname, dst_opts, create=True)
+    if (dst.url, dname) == (src.url, sname):
+        raise InvalidArgumentError(f"{src.driver.describe(sname)}: the source and the destination are the same")
+    if dkind is not None and not args.force:
         raise AlreadyExistsError(f"{dst.driver.describe(dname)} already exists (pass --force to replace it atomically)")
-    if src.exists(sname):
-        ck = src.open(sname)
-        bar = _Progress(f"cp {sname}", ck.manifest.total_bytes)
-        done = 0
-        with dst.transaction(dname, metadata=ck.metadata, overwrite=args.force) as txn:
-            for path in ck.files:
-                with ck.open(path) as r, txn.open(path) as f:  # checked while read
-                    while chunk := r.read(8 << 20):
-                        f.write(chunk)
-                        done += len(chunk)
-                        bar(done)
-        bar.done()
-        dst.verify(dname)
-        nbytes = ck.manifest.total_bytes
-    elif src.driver.exists(sname):  # a flax legacy file
-        from .pytree import restore
-
-        restore(f"{src.url}/{sname}", store=src)  # structure check first
-        nbytes = 0
-        with dst.one_file(dname, overwrite=args.force) as f:
-            for chunk in src.driver.iter_read(sname):
-                f.write(chunk)
-                nbytes += len(chunk)
-        if dst.driver.read(dname) != src.driver.read(sname):
-            raise CorruptionError(f"{dst.driver.describe(dname)}: copy differs from the source", path=dname)
-    else:
-        raise NotFoundError(f"no checkpoint {sname!r} in {src.url}")
+    if dkind is not None and dkind != skind:
+        raise InvalidArgumentError(
+            f"cannot replace the {'native checkpoint' if dkind == NATIVE else 'flax one-file checkpoint'} "
+            f"{dst.driver.describe(dname)} with a {'native checkpoint' if skind == NATIVE else 'flax file'}: "
+            "the two layouts cannot be swapped in one atomic step (readers would see neither for a "
+            f"moment); delete it first (atomicstore rm {dst.driver.describe(dname)}), then copy")
+    t0 = time.monotonic()
+    copy = _copy_native if skind == NATIVE else _copy_one_file
+    nbytes = _tries(src.driver.describe(sname), lambda: copy(src, sname, dst, dname, args.force))
     doc = {"src": src.driver.describe(sname), "dst": dst.driver.describe(dname), "bytes": nbytes,
            "seconds": round(time.monotonic() - t0, 3), "verified": True}
     out.emit(doc, lambda: print(f"copied {doc['src']} -> {doc['dst']} ({_size(nbytes)}, verified)"))
     return EXIT_OK
 
 
+def _copy_native(src: Store, sname: str, dst: Store, dname: str, force: bool) -> int:
+    """Every file checked against the source's manifest while it is read, before the
+    destination's commit point; a source replaced meanwhile (its files then fail their
+    check or are gone) raises :class:`_Replaced` and nothing is committed."""
+    ck = src.open(sname)
+    man = ck.manifest
+    bar = _Progress(f"cp {sname}", man.total_bytes)
+    done = 0
+
+    def failed(path: str, exc: AtomicStoreError) -> Exception:
+        if _attempt(src, sname) != man.attempt:  # replaced or deleted, not damaged
+            return _Replaced(str(exc))
+        if isinstance(exc, NotFoundError):  # the same attempt lacks a file its manifest lists
+            return CorruptionError(f"{ck.where(path)}: listed in the manifest but missing ({_first_line(str(exc))})",
+                                   path=path)
+        return exc
+
+    with dst.transaction(dname, metadata=ck.metadata, overwrite=force) as txn:
+        for path in ck.files:
+            try:
+                r = ck.open(path)
+            except (CorruptionError, NotFoundError, PreconditionFailedError) as exc:
+                raise failed(path, exc) from exc
+            with r, txn.open(path) as f:  # checked while read
+                while True:
+                    try:
+                        chunk = r.read(8 << 20)
+                    except (CorruptionError, NotFoundError, PreconditionFailedError) as exc:
+                        raise failed(path, exc) from exc
+                    if not chunk:
+                        break
+                    f.write(chunk)
+                    done += len(chunk)
+                    bar(done)
+    bar.done()
+    try:
+        dst.verify(dname)
+    except PreconditionFailedError:
+        # another writer replaced (or deleted) the destination after our commit point:
+        # the copy itself committed whole; what is there now is that writer's
+        log.warning("%s/%s was replaced by another writer right after the copy committed",
+                    dst.url, dname)
+    return man.total_bytes
+
+
+def _copy_one_file(src: Store, sname: str, dst: Store, dname: str, force: bool) -> int:
+    """Structure checked first, then streamed: every read conditional on the generation
+    first read (a source replaced meanwhile raises :class:`_Replaced` before the
+    destination's commit point), one chunk in memory; read back after the commit."""
+    f = _OneFile(src, sname)
+    f.index()  # refuses anything that is not a well-formed flax state, before writing
+    buf = bytearray(min(COPY_CHUNK, max(f.size, 1)))
+    bar = _Progress(f"cp {sname}", f.size)
+    crc = done = 0
+    with dst.one_file(dname, overwrite=force) as w:
+        for mv in f.chunks(buf):
+            crc = crc32c(mv, crc)
+            w.write(mv)
+            done += mv.nbytes
+            bar(done)
+        # a backend without generations: nothing pinned the reads, check before the commit point
+        if f.generation is None and _OneFile(src, sname).crc32c(buf) != crc:
+            raise _Replaced(f"{f.where} changed while it was copied")
+    bar.done()
+    try:
+        back = _OneFile(dst, dname)
+        got = (back.size, back.crc32c(buf))
+    except _Replaced:
+        return f.size  # replaced by another writer since our commit: theirs to check
+    if got != (f.size, crc):
+        raise CorruptionError(f"{dst.driver.describe(dname)}: the copy reads back differently from the source "
+                              f"({got[0]} bytes, CRC32C {got[1]:08x}; expected {f.size}, {crc:08x})", path=dname)
+    return f.size
+
+
 def cmd_rm(args: argparse.Namespace, out: _Out) -> int:
-    root, name = split_url(args.url)
-    st = _open(root, args.options)
-    if st.exists(name):
-        st.delete(name)
-    elif st.driver.exists(name) and not st.driver.listdir(name):
-        st.driver.delete(name)  # a flax file: the file is its own commit point
+    st, name, kind = _locate(args.url, args.options)
+    what = st.driver.describe(name)
+    if kind == NATIVE:
+        st.delete(name)  # the commit point first, conditional on the generation read
     else:
-        raise NotFoundError(f"no checkpoint {name!r} in {st.url}")
-    out.emit({"deleted": st.driver.describe(name)}, lambda: print(f"deleted {st.driver.describe(name)}"))
+        f = _OneFile(st, name)
+        try:
+            head = f.read(0, 1) if f.size else b""
+        except _Replaced as exc:
+            raise PreconditionFailedError(f"{what} changed since it was read ({exc}): nothing deleted") from None
+        # a flax state is a msgpack map: refuse any other file (a damaged checkpoint still starts with one)
+        if not _starts_like_flax(head):
+            raise InvalidArgumentError(f"{what} is not a checkpoint (neither a committed checkpoint nor a flax "
+                                       "one-file checkpoint): nothing deleted")
+        st.delete_one_file(name, if_generation=f.generation)  # only the version checked
+    out.emit({"deleted": what}, lambda: print(f"deleted {what}"))
     return EXIT_OK
 
 
@@ -489,15 +797,20 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = _Out(args.json)
+    _STORES.clear()  # (one command's stores: nothing is kept from an earlier call in this process)
     try:
         args.options = _options(args.option)
         return int(args.fn(args, out))
+    except _Replaced as exc:  # (every command reading in several requests handles it first)
+        code, msg = EXIT_CHANGED, f"replaced by another writer while it was read: {exc}"
     except InvalidArgumentError as exc:
         code, msg = EXIT_USAGE, str(exc)
     except NotFoundError as exc:
         code, msg = EXIT_NOT_FOUND, str(exc)
     except CorruptionError as exc:
         code, msg = EXIT_BAD_DATA, str(exc)
+    except PreconditionFailedError as exc:  # (an AlreadyExistsError: caught first)
+        code, msg = EXIT_CHANGED, str(exc)
     except AlreadyExistsError as exc:
         code, msg = EXIT_EXISTS, str(exc)
     except (StorageError, AtomicStoreError, OSError) as exc:
