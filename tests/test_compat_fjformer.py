@@ -14,9 +14,11 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import logging
 import os
 import secrets
 import sys
+import threading
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -596,3 +598,150 @@ def test_a_reader_slower_than_the_writer_gets_a_clear_error_a_local_reader_one_v
     assert got["first"] == 0 and np.array_equal(got["w"], states[0]["w"])  # the version opened, whole
     assert calls.count(("first",)) == 1  # not read again
     assert fj.load_checkpoint(path)["first"] == 1
+
+
+# -- issue 21 row 7: the checksum record is bound to the generation its own commit produced ------
+class _PauseAfterCommit(logging.Handler):
+    """Holds the thread ``who`` right after its one-file commit (the commit layer's
+    "committed <name>" line, logged once the file is visible and before the save goes
+    on to its checksum record) until ``resume`` is set: the save is descheduled at that
+    exact point, with no sleep."""
+
+    def __init__(self, who: str) -> None:
+        super().__init__(logging.INFO)
+        self.who = who
+        self.arrived = threading.Event()
+        self.resume = threading.Event()
+
+    def handle(self, record: logging.LogRecord) -> bool:  # (no handler lock: other threads log on)
+        self.emit(record)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if (threading.current_thread().name == self.who and record.getMessage().startswith("committed ")
+                and not self.arrived.is_set()):
+            self.arrived.set()
+            self.resume.wait(60)
+
+
+@pytest.mark.parametrize(("kind", "upload"), [("local", "one"), ("s3", "one"), ("gcs", "one"), ("s3", "parts"),
+                                              ("gcs", "parts")])
+def test_row7_a_save_paused_after_its_commit_never_binds_its_checksums_to_a_later_save(kind, upload, request,
+                                                                                        tmp_path):
+    """Job A commits the file and is descheduled before writing its checksum record; job
+    B saves the same file completely (same size, other values); A resumes. The record
+    must describe the generation A's own commit produced (or not be written): the file
+    B committed loads, with B's values, and its own record stays (it is still checked).
+    ``parts``: the commit is a multipart completion (S3) or a compose (GCS), not one PUT."""
+    from conftest import make_backend
+
+    backend = make_backend(kind, request, tmp_path)
+    url, opts = backend.url.rstrip("/"), dict(backend.options)
+    path = f"{url}/s.fjf" if kind != "local" else os.path.join(url, "s.fjf")
+    n = 4096
+    if upload == "parts":  # two parts of 5 MiB (S3's minimum), four components of 256 KiB (GCS)
+        opts["block_size"], n = (5 << 20, 7 << 18) if kind == "s3" else (1 << 18, 1 << 18)
+    a = {"w": np.full(n, 1.0, np.float32), "step": np.int32(1)}
+    b = {"w": np.full(n, 2.0, np.float32), "step": np.int32(2)}
+    fj.save_state_to_file({"w": np.zeros(n, np.float32), "step": np.int32(0)}, path, storage_options=opts)
+    pause = _PauseAfterCommit("job-A")
+    commit_log = logging.getLogger("atomicstore.commit")
+    old_level = commit_log.level
+    commit_log.setLevel(logging.INFO)
+    commit_log.addHandler(pause)
+    errors: list[BaseException] = []
+
+    def job_a() -> None:
+        try:
+            fj.save_state_to_file(a, path, storage_options=opts)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=job_a, name="job-A", daemon=True)
+    try:
+        t.start()
+        assert pause.arrived.wait(60), "job A never committed"
+        fj.save_state_to_file(b, path, storage_options=opts)  # job B, start to end
+    finally:
+        pause.resume.set()
+        t.join(60)
+        commit_log.removeHandler(pause)
+        commit_log.setLevel(old_level)
+    assert not t.is_alive() and not errors, errors
+    got = fj.load_checkpoint(path, storage_options=opts)
+    assert got["step"] == 2 and np.array_equal(got["w"], b["w"])
+    st = backend.open()
+    record = json.loads(st.driver.read(".s.fjf.crc32c.json"))
+    assert record["generation"] == st.driver.info("s.fjf").generation  # B's record kept: still checked
+
+
+# -- issue 21 row 14, for this format: every limit of the reader is refused by the writer ----------
+def _nest(depth: int, leaf: Any) -> dict:
+    for _ in range(depth):
+        leaf = {"k": leaf}
+    return leaf
+
+
+_KEY_LIMITS = {  # name -> (state at the limit, state one past it, what the refusal names)
+    "key path depth": (lambda: _nest(fj.MAX_KEY_DEPTH, np.int32(1)), lambda: _nest(fj.MAX_KEY_DEPTH + 1, np.int32(1)),
+                       rf"{fj.MAX_KEY_DEPTH + 1} keys.*at most {fj.MAX_KEY_DEPTH}"),
+    "key bytes": (lambda: {"k" * fj.MAX_KEY_BYTES: np.int32(1)}, lambda: {"k" * fj.MAX_KEY_BYTES + "x": np.int32(1)},
+                  rf"{fj.MAX_KEY_BYTES + 1} bytes.*at most {fj.MAX_KEY_BYTES}"),
+    "key bytes, utf-8": (lambda: {"é" * (fj.MAX_KEY_BYTES // 2): np.int32(1)},
+                         lambda: {"k" * (fj.MAX_KEY_BYTES - 1) + "é": np.int32(1)},
+                         rf"{fj.MAX_KEY_BYTES + 1} bytes.*at most {fj.MAX_KEY_BYTES}"),
+}
+
+
+@pytest.mark.parametrize("limit", sorted(_KEY_LIMITS))
+def test_row14_key_limits_are_one_for_writer_and_reader(tmp_path, limit):
+    """A key path as deep, or a key as long, as the reader accepts saves and loads; one
+    more and the save refuses up front (InvalidArgumentError naming the size and the
+    limit), nothing written. (Both used to be written, then refused by every load.)"""
+    at, past, names = _KEY_LIMITS[limit]
+    p = tmp_path / "s.fjf"
+    fj.save_state_to_file(at(), p)
+    assert canon(fj.load_checkpoint(p)) == canon(to_state_dict(at()))
+    q = tmp_path / "past.fjf"
+    with pytest.raises(atomicstore.InvalidArgumentError, match=names):
+        fj.save_state_to_file(past(), q)
+    assert not q.exists()
+
+
+def test_row14_json_files_as_large_as_load_json_reads_and_no_larger(tmp_path):
+    """save_json writes what load_json reads back: a document of exactly the limit
+    (64 MiB) round-trips; one byte more is refused before anything is written."""
+    at = "x" * (fj.MAX_RECORD_BYTES - 2)  # '"' + ... + '"'
+    fj.save_json(at, tmp_path / "m.json")
+    assert (tmp_path / "m.json").stat().st_size == fj.MAX_RECORD_BYTES
+    assert fj.load_json(tmp_path / "m.json") == at
+    del at
+    with pytest.raises(atomicstore.InvalidArgumentError, match=rf"{fj.MAX_RECORD_BYTES + 1} bytes.*at most"):
+        fj.save_json("x" * (fj.MAX_RECORD_BYTES - 1), tmp_path / "n.json")
+    assert not (tmp_path / "n.json").exists()
+
+
+def test_row14_a_checksum_record_past_the_readers_limit_is_not_written(tmp_path, monkeypatch):
+    """The checksum record is read whole, up to ``MAX_RECORD_BYTES``; a state with so many
+    leaves that its record is larger (about six million at 64 MiB) is saved without one
+    (it loads unchecked) instead of with one that makes every load fail. The limit is
+    lowered to this state's record size here (six million leaves take minutes): writer and
+    reader read the same constant, so at the limit the record is written and used, one
+    byte below it is not written and the file loads."""
+    state = {f"leaf{i}": np.int32(i) for i in range(50)}
+    p = tmp_path / "s.fjf"
+    fj.save_state_to_file(state, p)
+    size = (tmp_path / ".s.fjf.crc32c.json").stat().st_size
+    monkeypatch.setattr(fj, "MAX_RECORD_BYTES", size)
+    fj.save_state_to_file(state, p)
+    assert (tmp_path / ".s.fjf.crc32c.json").stat().st_size == size
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 1
+    _rewrite_keeping_generation(p, bytes(data))
+    with pytest.raises(atomicstore.ChecksumMismatchError, match="leaf49"):  # the record is used
+        fj.load_checkpoint(p)
+    monkeypatch.setattr(fj, "MAX_RECORD_BYTES", size - 1)
+    fj.save_state_to_file(state, p)
+    st = atomicstore.open_store(tmp_path)
+    assert json.loads(st.driver.read(".s.fjf.crc32c.json"))["generation"] != st.driver.info("s.fjf").generation
+    assert canon(fj.load_checkpoint(p)) == canon(state)  # (the old record, too large now, is ignored)

@@ -410,3 +410,71 @@ def test_invalid_checkpoint_error_is_caught_as_flax_s(tmp_path):
     again = pickle.loads(pickle.dumps(err))
     assert type(again) is ck.InvalidCheckpointError and str(again) == str(err)
 
+
+
+# -- issue 21 row 14: what the writer accepts, the reader reads back (nesting) ---------------------
+def nest(depth: int, leaf) -> dict:
+    """``leaf`` under ``depth`` nested dicts (the leaf sits at depth ``depth``)."""
+    for _ in range(depth):
+        leaf = {"a": leaf}
+    return leaf
+
+
+_LIMIT_LEAVES = {
+    "small array": lambda: np.arange(3, dtype=np.float32),  # inlined by the writer's fast path
+    "large array": lambda: np.arange(20_000, dtype=np.float32),  # 80 KB: the general path
+    "int": lambda: 7,
+    "none": lambda: None,
+    "empty dict": lambda: {},
+}
+
+
+@pytest.mark.parametrize("leaf", sorted(_LIMIT_LEAVES))
+@pytest.mark.parametrize("api", ["compat.flax", "atomicstore"])
+def test_row14_the_nesting_limit_is_one_for_writer_and_reader(api, leaf, tmp_path):
+    """At the limit (a leaf 200 dicts deep) the tree saves and restores; one deeper, the
+    save refuses up front with InvalidArgumentError naming depth and limit, and nothing is
+    committed. (A small array 201 deep used to be committed, then refused by restore.)"""
+    from atomicstore.pytree import msgpack_io
+
+    limit = msgpack_io.MAX_DEPTH
+    d = tmp_path / "ck"
+
+    def save(t):
+        if api == "compat.flax":
+            ck.save_checkpoint(d, t, 1, overwrite=True)
+        else:
+            atomicstore.save(d / "checkpoint_1", t, overwrite=True)
+
+    def restore():
+        return ck.restore_checkpoint(d, None) if api == "compat.flax" else atomicstore.restore(d / "checkpoint_1")
+
+    ok = nest(limit, _LIMIT_LEAVES[leaf]())
+    save(ok)
+    assert_same(restore(), ok)
+    with pytest.raises(atomicstore.InvalidArgumentError, match=rf"{limit + 1} levels.*at most {limit}"):
+        save(nest(limit + 1, _LIMIT_LEAVES[leaf]()))
+    assert_same(restore(), ok)  # the refused save committed nothing
+
+
+def test_row14_a_chunked_array_counts_the_two_levels_flax_nests_it_in(tmp_path):
+    """flax stores an array over 1 GiB as a map of chunks, two levels below the leaf: at
+    depth 199 its chunks would sit at 201, which no reader accepts. Refused before a byte
+    is written (np.zeros is never touched)."""
+    from atomicstore.pytree import msgpack_io
+
+    limit = msgpack_io.MAX_DEPTH
+    huge = np.zeros((1 << 28) + 1, np.float32)  # 1 GiB + 4 bytes
+    with pytest.raises(atomicstore.InvalidArgumentError, match=rf"{limit + 1} levels.*at most {limit}"):
+        ck.save_checkpoint(tmp_path, nest(limit - 1, huge), 1)
+    assert ck.latest_checkpoint(tmp_path) is None
+
+
+def test_row14_async_save_refuses_too_deep_a_tree_before_returning(tmp_path):
+    am = ck.AsyncManager()
+    from atomicstore.pytree import msgpack_io
+
+    with pytest.raises(atomicstore.InvalidArgumentError, match="at most"):
+        ck.save_checkpoint(tmp_path, nest(msgpack_io.MAX_DEPTH + 1, np.ones(2, np.float32)), 1, async_manager=am)
+    am.wait_previous_save()
+    assert ck.latest_checkpoint(tmp_path) is None

@@ -29,9 +29,11 @@ What is safer than fjformer:
   (``.<name>.crc32c.json``, see :data:`RECORD_FORMAT`; the file itself stays
   byte-identical to fjformer's). Loading checks each leaf against it before decoding,
   so a flipped bit raises :class:`~atomicstore.ChecksumMismatchError` naming the file and
-  the leaf. The record is bound to the file's generation (inode and mtime, S3 ETag, GCS
-  generation): a file replaced by anything else (fjformer itself) is read unchecked, as
-  are files fjformer wrote. On GCS the object's own CRC32C is checked as well;
+  the leaf. The record is bound to the generation of the file its own commit produced
+  (inode and mtime, S3 ETag, GCS generation, as the commit reported it, never read back
+  later: another save may have replaced the file by then), and is not written when the
+  file changed since: a file replaced by anything else (fjformer itself) is read
+  unchecked, as are files fjformer wrote. On GCS the object's own CRC32C is checked as well;
 * the file is hostile input: every length is checked against the file's size before
   anything is allocated, dtype strings go through one strict parser, and anything that
   is not a well-formed item (truncated, garbage, wrong types, non-string keys, unknown ext
@@ -81,6 +83,7 @@ from ..pytree.format import (
     bytes_view,
 )
 from ..pytree.tree import is_jax_array
+from ..pytree.writer import check_depth
 
 log = logging.getLogger("atomicstore.compat.fjformer")
 
@@ -100,9 +103,10 @@ _CONVERTED = frozenset({_BF16, _F16, _F32, _F64})
 #: leaves larger than this are read into an aligned array with no second copy
 _DIRECT_READ = 1 << 20
 _HEAD = 4096
-#: longest key path and key component accepted from a file
+#: longest key path and key component (UTF-8 bytes) accepted from a file, and so written
 MAX_KEY_DEPTH = mp.MAX_DEPTH
 MAX_KEY_BYTES = 1 << 16
+#: largest checksum record and JSON file read (whole); larger ones are never written
 MAX_RECORD_BYTES = 64 << 20
 _WRITE_BUFFER = 1 << 20
 
@@ -166,6 +170,9 @@ def _flax() -> Any:
 
 def _state_dict(tree: Any, what: str, fl: Any, *, keep_empty: bool = False) -> dict[KeyPath, Any]:
     """``flatten_dict(to_state_dict(tree))``, as fjformer computes it, checked."""
+    # flax's to_state_dict recurses: refuse a cyclic tree, or one too deep for any key path,
+    # first (a key path one key too long is named by _check_keys)
+    check_depth(tree, what, limit=MAX_KEY_DEPTH + 1)
     try:
         sd = fl.serialization.to_state_dict(tree)
     except (TypeError, ValueError, AttributeError, KeyError) as exc:
@@ -181,6 +188,20 @@ def _state_dict(tree: Any, what: str, fl: Any, *, keep_empty: bool = False) -> d
         if not all(isinstance(k, str) for k in key):
             raise InvalidArgumentError(f"{what}: key path {key!r} has a key that is not a str")
     return flat
+
+
+def _check_keys(flat: dict[KeyPath, Any]) -> None:
+    """Refuse key paths the reader would refuse (deeper than :data:`MAX_KEY_DEPTH`, a key
+    longer than :data:`MAX_KEY_BYTES` in UTF-8): before anything is written."""
+    for key in flat:
+        if len(key) > MAX_KEY_DEPTH:
+            raise InvalidArgumentError(f"state: the key path {'/'.join(key[:8])}/... has {len(key)} keys: at most "
+                                       f"{MAX_KEY_DEPTH} (the most a reader accepts)")
+        for k in key:
+            n = len(k.encode("utf-8", "surrogatepass"))
+            if n > MAX_KEY_BYTES:
+                raise InvalidArgumentError(f"state: a key of {n} bytes ({k[:40]!r}...): at most {MAX_KEY_BYTES} "
+                                           "(the longest a reader accepts)")
 
 
 def _functions(fns: Any, what: str, fl: Any) -> dict[KeyPath, Callable[[Any], Any] | None] | None:
@@ -422,6 +443,7 @@ def save_state_to_file(
     p = path_argument(path, "path")
     fl = _flax()
     flat = _state_dict(state, "state", fl)
+    _check_keys(flat)
     gathers = _functions(gather_fns, "gather_fns", fl)
     if p == os.devnull:
         _write_items(_Sink(None), flat, gathers, cast, mismatch_allowed)
@@ -435,24 +457,39 @@ def save_state_to_file(
     if verbose:
         log.info("saved %d leaves (%d bytes) to %s; %d without a gather function", len(sink.crcs), sink.size,
                  st.driver.describe(name), missing)
-    _write_record(st, name, sink)
+    _write_record(st, name, sink, f.generation)
 
 
-def _write_record(st: Store, name: str, sink: _Sink) -> None:
-    """The CRC32C record of the file just committed, bound to its generation. The file is
-    committed already: a failure here leaves it readable, unchecked, and is logged."""
+def _write_record(st: Store, name: str, sink: _Sink, generation: str | None) -> None:
+    """The CRC32C record of the file just committed, bound to ``generation``, the one its
+    own commit produced (never one read afterwards: another save may have replaced the
+    file since, and its bytes are not these). Not written when the file is no longer at
+    that generation (the save that replaced it writes its own record), nor when the
+    backend did not say which generation the commit made. The file is committed
+    already: a failure here leaves it readable, unchecked, and is logged."""
+    where = st.driver.describe(name)
+    if generation is None:
+        log.info("%s: the backend did not report the committed generation: no checksum record written", where)
+        return
     try:
-        info = st.driver.info(name)
-        if info.size != sink.size or info.generation is None:
-            log.warning("%s changed right after it was committed: no checksum record written",
-                        st.driver.describe(name))
+        try:
+            now = st.driver.info(name).generation
+        except NotFoundError:
+            now = None
+        if now != generation:
+            log.info("%s was replaced right after this save committed it: its checksum record is left to "
+                     "the save that replaced it", where)
             return
-        record = {"format": RECORD_FORMAT, "file": name, "size": sink.size, "generation": info.generation,
+        record = {"format": RECORD_FORMAT, "file": name, "size": sink.size, "generation": generation,
                   "crc32c": sink.total, "items": sink.crcs}
-        st.write_file(_record_key(name), json.dumps(record, separators=(",", ":")).encode(), overwrite=True)
+        data = json.dumps(record, separators=(",", ":")).encode()
+        if len(data) > MAX_RECORD_BYTES:  # more than a reader reads: the file loads unchecked
+            log.warning("%s: %d leaves need a checksum record of %d bytes, more than readers accept (%d): "
+                        "none written", where, len(sink.crcs), len(data), MAX_RECORD_BYTES)
+            return
+        st.write_file(_record_key(name), data, overwrite=True)
     except AtomicStoreError as exc:
-        log.warning("%s is committed, but its checksum record could not be written: %s",
-                    st.driver.describe(name), exc)
+        log.warning("%s is committed, but its checksum record could not be written: %s", where, exc)
 
 
 # -- reading --------------------------------------------------------------------------------
@@ -463,6 +500,13 @@ class _Record:
     items: list[int]
 
 
+def _read_bounded(st: Store, key: str, size: int) -> bytes | None:
+    """``key`` whole, read as a file of ``size`` bytes (its size looked at before): at most
+    one byte more is read, whatever replaced it since; None if it grew meanwhile."""
+    raw = st.driver.read(key, 0, size + 1)
+    return raw if len(raw) <= size else None
+
+
 def _read_record(st: Store, name: str, size: int, generation: str | None) -> _Record | None:
     """The checksum record of ``name`` if it describes this generation of the file."""
     drv, key = st.driver, _record_key(name)
@@ -471,12 +515,17 @@ def _read_record(st: Store, name: str, size: int, generation: str | None) -> _Re
         rsize = drv.info(key).size
     except NotFoundError:
         return None
-    if rsize > MAX_RECORD_BYTES:
-        raise CorruptionError(f"{where}: checksum record of {rsize} bytes, more than {MAX_RECORD_BYTES}", path=key)
+    if rsize > MAX_RECORD_BYTES:  # never written (an older version did): not read, the file read unchecked
+        log.warning("%s: a checksum record of %d bytes, more than %d: ignored, %s is read unchecked", where, rsize,
+                    MAX_RECORD_BYTES, name)
+        return None
     try:
-        raw = drv.read(key)
+        raw = _read_bounded(st, key, rsize)
     except NotFoundError:
-        return None  # replaced by a save in progress: its file is newer than ours
+        raw = None
+    if raw is None or len(raw) != rsize:  # replaced (by a save in progress: its file is newer than ours)
+        log.debug("%s changed while it was read: %s is read unchecked", where, name)
+        return None
     try:
         doc = json.loads(raw)
         if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
@@ -975,13 +1024,16 @@ def save_json(obj: Any, path: str | os.PathLike[str], *, overwrite: bool = True,
               storage_options: Mapping[str, Any] | None = None) -> None:
     """Write ``obj`` as JSON to ``path`` atomically: what this module writes where fjformer
     pickles (metadata, dataset state). numpy and jax scalars and arrays become numbers and
-    lists; anything else JSON cannot hold raises :class:`~atomicstore.InvalidArgumentError`
+    lists; anything else JSON cannot hold, or a document larger than :func:`load_json`
+    reads (``MAX_RECORD_BYTES``, 64 MiB), raises :class:`~atomicstore.InvalidArgumentError`
     before anything is written."""
     _check_bool(overwrite, "overwrite")
     try:
         data = json.dumps(obj, default=_json_default).encode()
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidArgumentError(f"not JSON-serialisable (atomicstore never pickles): {exc}") from None
+    if len(data) > MAX_RECORD_BYTES:
+        raise InvalidArgumentError(f"{len(data)} bytes of JSON: at most {MAX_RECORD_BYTES} (the most load_json reads)")
     st, name = _locate(path, storage_options, writing=True)
     st.write_file(name, data, overwrite=overwrite)
 
@@ -990,11 +1042,17 @@ def load_json(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any
     """Read a file written by :func:`save_json` (any JSON file of at most 64 MiB)."""
     st, name = _locate(path, storage_options, writing=False)
     where = st.driver.describe(name)
-    size = st.driver.info(name).size
-    if size > MAX_RECORD_BYTES:
-        raise CorruptionError(f"{where}: {size} bytes of JSON, more than {MAX_RECORD_BYTES}", path=name)
+    for _ in range(3):  # (replaced by a larger file between its size and its read: look again)
+        size = st.driver.info(name).size
+        if size > MAX_RECORD_BYTES:
+            raise CorruptionError(f"{where}: {size} bytes of JSON, more than {MAX_RECORD_BYTES}", path=name)
+        raw = _read_bounded(st, name, size)
+        if raw is not None:
+            break
+    else:
+        raise PreconditionFailedError(f"{where} was replaced three times while being read: load it again")
     try:
-        return json.loads(st.driver.read(name))
+        return json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise CorruptionError(f"{where}: not JSON: {exc}", path=name) from None
 

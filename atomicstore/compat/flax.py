@@ -40,6 +40,7 @@ from typing import Any
 from ..commit import Store, Transaction, open_store, path_argument
 from ..commit.names import FLOAT_RE
 from ..errors import (
+    AtomicStoreError,
     CommitConflictError,
     CorruptionError,
     InvalidArgumentError,
@@ -48,12 +49,13 @@ from ..errors import (
 )
 from ..manager import READ_EVENT, WRITE_EVENT, check_retention, check_step, record_event
 from ..pytree import DEFAULT_TIMEOUT, Session, StateWriter
+from ..pytree import msgpack_io as mp
 from ..pytree import restore as restore_tree
 from ..pytree.coordination import check_timeout, coordinated_save
 from ..pytree.dtypes import parse_dtype
 from ..pytree.format import Shard, check_shards, dimension
 from ..pytree.sharded import ShardedLeaf, ShardReader, local_shards, restore_array, split_tree
-from ..pytree.tree import Path, rebuild, snapshot_tree, walk_leaves
+from ..pytree.tree import Path, children, path_str, rebuild, snapshot_tree, walk_leaves
 
 log = logging.getLogger("atomicstore.compat.flax")
 
@@ -154,12 +156,27 @@ class AsyncManager:
     def __init__(self, max_workers: int = 1) -> None:
         if not isinstance(max_workers, int) or max_workers < 1:
             raise InvalidArgumentError("max_workers must be a positive int")
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers,
+        self.max_workers = max_workers
+        self._start()
+
+    def _start(self) -> None:
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_workers,
                                                               thread_name_prefix="atomicstore-flax")
         self.save_future: concurrent.futures.Future[Any] | None = None
+        self._pid = os.getpid()
+
+    def _forked(self) -> None:
+        """In a forked child the parent's worker thread does not exist (a task submitted to
+        its executor would never run): a new executor; the parent's save is the parent's."""
+        if self._pid != os.getpid():
+            if self.save_future is not None and not self.save_future.done():
+                log.warning("AsyncManager used in a forked child while its parent's save was in flight: that "
+                            "save belongs to the parent, the child does not wait for it")
+            self._start()
 
     def wait_previous_save(self) -> None:
         """Block until the previous save finished; raise its error if it failed."""
+        self._forked()
         fut, self.save_future = self.save_future, None
         if fut is not None:
             if not fut.done():
@@ -168,7 +185,7 @@ class AsyncManager:
 
     def save_async(self, task: Callable[[], Any]) -> None:
         """Run ``task`` after the previous one."""
-        self.wait_previous_save()
+        self.wait_previous_save()  # (in a forked child: on an executor of its own)
         self.save_future = self.executor.submit(task)
 
 
@@ -285,6 +302,9 @@ def save_checkpoint(
     name = f"{prefix}{step}"
     path = _join(ckpt_dir, name)
     _check_newer(st, prefix, name, path, step, overwrite)
+    _check_not_native(st, name)
+    if async_manager is not None:  # (the writer checks as it writes: here before returning)
+        _check_depth(target)
     writer = StateWriter(target if async_manager is None else snapshot_tree(target, True), sort_keys=False)
 
     def task() -> None:
@@ -301,11 +321,39 @@ def save_checkpoint(
     return path
 
 
+def _check_depth(target: PyTree) -> None:
+    """Refuse a tree nested deeper than any reader reads back (``msgpack_io.MAX_DEPTH``,
+    the limit the writer and every reader share), without recursion."""
+    stack: list[tuple[Any, int, Path]] = [(target, 0, ())]
+    while stack:
+        node, depth, at = stack.pop()
+        if depth > mp.MAX_DEPTH:
+            raise InvalidArgumentError(f"target nested {depth} levels deep at {path_str(at)}: at most "
+                                       f"{mp.MAX_DEPTH} (the deepest nesting a reader accepts)")
+        kids = children(node, False)
+        if kids is not None:
+            stack.extend((child, depth + 1, (*at, k)) for k, child in kids[1])
+
+
 def _check_newer(st: Store, prefix: str, name: str, path: str, step: Any, overwrite: bool) -> None:
     """flax's rule: without ``overwrite``, ``name`` must be newer than every committed step."""
     names = _step_names(st, prefix)
     if not overwrite and (name in names or (names and natural_sort([*names, name])[-1] != name)):
         raise InvalidCheckpointError(path, step)
+
+
+def _check_not_native(st: Store, name: str) -> None:
+    """A flax file cannot replace a native (directory) checkpoint of the same name: the two
+    layouts cannot be swapped in one atomic step."""
+    try:
+        native = st.exists(name)
+    except CorruptionError:  # committed, its commit point unreadable: still a checkpoint
+        native = True
+    if native:
+        raise InvalidArgumentError(
+            f"{st.driver.describe(name)} is a native checkpoint (a directory, e.g. saved by CheckpointManager): "
+            "a flax one-file checkpoint cannot replace it, the two layouts cannot be swapped in one atomic step; "
+            "delete it first (atomicstore rm), or save under another prefix")
 
 
 def _remove_invalid(st: Store, name: str, prefix: str, keep: int, overwrite: bool,
@@ -494,7 +542,9 @@ def restore_checkpoint(
     returns ``target`` unchanged; a missing ``step`` raises ``ValueError``
     (:class:`~atomicstore.InvalidArgumentError`). Damaged data raises
     :class:`~atomicstore.CorruptionError` naming the file and leaf. Arrays saved across
-    processes (``_gda``) are read back from their shards, checksums checked."""
+    processes (``_gda``) are read back from their shards, checksums checked. A checkpoint
+    replaced or deleted by another job while it is read raises
+    :class:`~atomicstore.PreconditionFailedError` (restore again), never a mix."""
     check_retention(prefix)
     ckpt_dir = safe_normpath(path_argument(ckpt_dir, "ckpt_dir"))
     start = time.monotonic()
@@ -526,11 +576,34 @@ def restore_checkpoint(
         record_event(READ_EVENT, time.monotonic() - start)
         return out
     log.info("restoring legacy flax checkpoint from %s", path)
-    out = restore_tree(f"{st.url}/{name}", target, store=st)
+    before = _version(st, name)
+    try:
+        out = restore_tree(f"{st.url}/{name}", target, store=st)
+    except NotFoundError:
+        # a key of the target the checkpoint lacks (the version read is still there): that
+        # error, naming the key; else another job removed or replaced it since it was listed
+        if before is not None and _version(st, name) == before:
+            raise
+        raise PreconditionFailedError(f"{st.driver.describe(name)} was deleted or replaced while it was being read "
+                                      "(another job's delete, overwrite or retention): restore again") from None
     if has_placeholders(out):
         out = restore_placeholders(st, name, out, target, allow_partial=allow_partial_mpa_restoration)
     record_event(READ_EVENT, time.monotonic() - start)
     return out
+
+
+def _version(st: Store, name: str) -> tuple[Any, ...] | None:
+    """Which version of checkpoint ``name`` is there now: the attempt that committed a native
+    checkpoint, the generation (size, mtime) of a one-file checkpoint; None if none is."""
+    try:
+        return ("native", st.open(name).manifest.attempt)
+    except AtomicStoreError:
+        pass
+    try:
+        info = st.driver.info(name)
+    except AtomicStoreError:
+        return None
+    return ("file", info.generation, info.size, info.mtime)
 
 
 # -- Orbax step directories (what flax >= 0.8 writes by default) ------------------------------------
