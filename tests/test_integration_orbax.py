@@ -11,12 +11,16 @@ written to a local directory named ``s3:``), so it cannot write to S3 at all; se
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import gc
 import json
+import multiprocessing
 import os
 import queue
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -36,6 +40,7 @@ from atomicstore.integrations.orbax import AtomicTemporaryPath
 from atomicstore.testing.faults import (
     FaultPlan,
     is_conditional,
+    is_mutation,
     object_key,
     request_kind,
     writes_to,
@@ -753,3 +758,372 @@ def test_arguments_are_validated(tmp_path: Path):
         asyncio.run(handle.create())
     with pytest.raises(atomicstore.NotFoundError):
         AtomicTemporaryPath.verify(tmp_path / "4")
+
+
+# -- an empty step directory (a crash's leftover, or a user's mkdir) never blocks a save -------------
+def make_empty_step(env: Env, name: str, subdirs: tuple[str, ...] = ()) -> None:
+    """What a crash or a user leaves: a step directory holding no file (on GCS: the zero-byte
+    ``<step>/`` placeholder objects a console "create folder" or ``gsutil`` writes)."""
+    if env.kind == "local":
+        os.makedirs(os.path.join(env.root, name), exist_ok=True)
+        for sub in subdirs:
+            os.makedirs(os.path.join(env.root, name, sub), exist_ok=True)
+        return
+    fs = fsspec.filesystem("gs")
+    for sub in ("", *subdirs):
+        fs.pipe(f"{env.root[len('gs://'):]}/{name}/{sub + '/' if sub else ''}", b"")
+
+
+def step_exists(env: Env, name: str) -> bool:
+    """Orbax's own test (``epath.Path.exists``), the one that refuses a save without force."""
+    from etils import epath
+
+    return epath.Path(f"{env.root}/{name}").exists()
+
+
+def test_an_empty_step_directory_left_behind_never_blocks_a_save(env: Env):
+    mgr = atomic_manager(env, enable_async_checkpointing=False)
+    assert mgr.save(1, args=ocp.args.StandardSave(tree(1)))
+    make_empty_step(env, "2", ("default",))  # left an hour ago, as far as this class can tell
+    assert step_exists(env, "2")
+    later = aso.AtomicCheckpointManager(env.root, options=ocp.CheckpointManagerOptions(
+        temporary_path_class=env.later(), enable_async_checkpointing=False))
+    assert later.save(2, args=ocp.args.StandardSave(tree(2)))  # taken over, not refused
+    later.wait_until_finished()
+    assert steps(manager(env)) == [1, 2] and stock_manager(env).all_steps() == [1, 2]
+    assert same(stock_manager(env).restore(2), tree(2))
+    env.cls.verify(f"{env.root}/2")
+    if env.kind == "gcs":  # the placeholders went with the takeover: only the save's objects
+        for placeholder in ("2/", "2/default/"):
+            with pytest.raises(atomicstore.NotFoundError):
+                env.store().driver.info(placeholder)
+
+
+def test_recovery_removes_an_empty_step_directory_once_untouched_for_grace(env: Env):
+    mgr = atomic_manager(env, enable_async_checkpointing=False)
+    assert mgr.save(1, args=ocp.args.StandardSave(tree(1)))
+    make_empty_step(env, "2", ("default", "default/d"))
+    before = env.listing()
+    report = env.cls.recover(env.root)  # just made: another saver may be about to write into it
+    assert not [a for a in report.actions if a.target == "2"] and "2" in report.in_flight
+    assert step_exists(env, "2")
+    dry = env.later().recover(env.root, dry_run=True)
+    assert [(a.kind, a.target) for a in dry.actions if a.target == "2"] == [("orbax", "2")]
+    assert step_exists(env, "2") and env.listing() == before
+    report = env.later().recover(env.root)
+    (act,) = [a for a in report.actions if a.target == "2"]
+    assert act.kind == "orbax" and "empty" in act.reason
+    assert not step_exists(env, "2")
+    assert env.listing() == {k for k in before if k != "2" and not k.startswith("2/")} or env.kind == "local"
+    env.cls.verify(f"{env.root}/1")  # committed steps untouched
+    assert atomic_manager(env).save(2, args=ocp.args.StandardSave(tree(2)))  # free again
+
+
+def test_an_empty_step_directory_just_made_by_another_saver_is_left_to_it(env: Env):
+    mgr = atomic_manager(env, enable_async_checkpointing=False)
+    make_empty_step(env, "3")  # another saver created it just now, and is about to write into it
+    with pytest.raises(aso.StepConflictError, match="empty") as err:
+        mgr.save(3, args=ocp.args.StandardSave(tree(3)))
+    assert "another saver" in str(err.value) and "recovery removes it" not in str(err.value)
+    assert not [a for a in env.cls.recover(env.root).actions if a.target == "3"]
+    assert step_exists(env, "3")
+    # the other saver writes: nothing of it is touched, now or later (it is no longer empty)
+    d = env.store().driver
+    if env.kind == "local":
+        Path(env.root, "3", "data").write_bytes(b"the other saver's")
+    else:
+        fsspec.filesystem("gs").pipe(f"{env.root[len('gs://'):]}/3/data", b"the other saver's")
+    assert not [a for a in env.later().recover(env.root).actions if a.target == "3"]
+    assert d.read("3/data") == b"the other saver's"
+    later = aso.AtomicCheckpointManager(env.root, options=ocp.CheckpointManagerOptions(
+        temporary_path_class=env.later(), enable_async_checkpointing=False))
+    with pytest.raises(aso.StepConflictError, match="already exists"):
+        later.save(3, args=ocp.args.StandardSave(tree(3)))
+    assert d.read("3/data") == b"the other saver's"
+
+
+@pytest.mark.parametrize("actor", ["recover", "save"])
+def test_a_saver_writing_into_the_empty_directory_while_it_is_taken_is_never_destroyed(
+        env: Env, gcs_server: Any, monkeypatch: pytest.MonkeyPatch, actor: str):
+    """Recovery (or a save taking the directory over) judged the step directory empty and
+    old; the other saver writes into it right before the removal: the removal must fail,
+    the saver's bytes stay."""
+    make_empty_step(env, "4")
+    reached, go = threading.Event(), threading.Event()
+    if env.kind == "local":
+        real_rmdir = os.rmdir
+        target = os.path.join(env.root, "4")
+
+        def rmdir(path: Any, *a: Any, **kw: Any) -> None:  # the scheduler: holds the removal
+            if os.fspath(path) == target and not reached.is_set():
+                reached.set()
+                assert go.wait(60)
+            real_rmdir(path, *a, **kw)
+
+        monkeypatch.setattr(os, "rmdir", rmdir)
+    else:
+        def placeholder_delete(environ: dict) -> bool:  # holds the conditional delete of "4/"
+            if (environ.get("REQUEST_METHOD") == "DELETE" and (object_key(environ) or "").endswith("run/4/")
+                    and not reached.is_set()):
+                reached.set()
+                assert go.wait(60)
+            return False
+
+        gcs_server.faults(FaultPlan(stalls=[(placeholder_delete, 0.0)]))
+    outcome: list[Any] = []
+
+    def act() -> None:
+        try:
+            if actor == "recover":
+                outcome.append(env.later().recover(env.root))
+            else:
+                mgr = aso.AtomicCheckpointManager(env.root, options=ocp.CheckpointManagerOptions(
+                    temporary_path_class=env.later(), enable_async_checkpointing=False))
+                outcome.append(mgr.save(4, args=ocp.args.StandardSave(tree(4))))
+        except Exception as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+
+    t = threading.Thread(target=act)
+    t.start()
+    assert reached.wait(60), outcome
+    # the other saver: it (re)creates the directory and writes into it
+    if env.kind == "local":
+        Path(env.root, "4", "data").write_bytes(b"the other saver's")
+    else:
+        fs = fsspec.filesystem("gs")
+        fs.pipe(f"{env.root[len('gs://'):]}/4/", b"")
+        fs.pipe(f"{env.root[len('gs://'):]}/4/data", b"the other saver's")
+    go.set()
+    t.join(60)
+    gcs_server.faults(None)
+    assert env.store().driver.read("4/data") == b"the other saver's"
+    assert step_exists(env, "4")
+    if actor == "recover":
+        (report,) = outcome
+        assert not [a for a in report.actions if a.target == "4"], report.summary()
+    else:
+        (err,) = outcome
+        assert isinstance(err, aso.StepConflictError), outcome
+    assert steps(manager(env)) == []
+
+
+
+# == the four questions, for every public entry point (the table: docs/integrations.md) ============
+# -- 1. what it reads is deleted or replaced between two of its requests: restore ------------------
+GATE: dict[str, threading.Event] = {}
+
+
+class GateHandler(ocp.CheckpointHandler):
+    """An item holding one JSON value; its restore waits at ``GATE["go"]`` (after setting
+    ``GATE["reached"]``) before it reads: a scheduler point inside an Orbax restore."""
+
+    def save(self, directory: Any, args: Any) -> None:
+        (directory / "value.json").write_text(json.dumps(args.value))
+
+    def restore(self, directory: Any, args: Any = None) -> Any:
+        if "reached" in GATE:
+            GATE["reached"].set()
+            assert GATE["go"].wait(60)
+        return json.loads((directory / "value.json").read_text())
+
+
+@ocp.args.register_with_handler(GateHandler, for_save=True)
+@dataclasses.dataclass
+class GateSave(ocp.args.CheckpointArgs):
+    value: Any = None
+
+
+@ocp.args.register_with_handler(GateHandler, for_restore=True)
+@dataclasses.dataclass
+class GateRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+def test_a_step_deleted_and_saved_again_during_a_restore_is_an_error_not_a_mix(env: Env):
+    names = ("params", "gate")
+    mgr = aso.AtomicCheckpointManager(env.root, item_names=names, options=ocp.CheckpointManagerOptions(
+        temporary_path_class=env.cls, enable_async_checkpointing=False))
+    mgr.save(5, args=ocp.args.Composite(params=ocp.args.StandardSave(tree(1)), gate=GateSave(1)))
+    GATE.update(reached=threading.Event(), go=threading.Event())
+    outcome: list[Any] = []
+
+    def restore() -> None:
+        reader = aso.AtomicCheckpointManager(env.root, item_names=names, options=ocp.CheckpointManagerOptions(
+            temporary_path_class=env.cls, enable_async_checkpointing=False))
+        try:
+            outcome.append(reader.restore(5, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(tree(0)), gate=GateRestore())))
+        except Exception as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+
+    t = threading.Thread(target=restore)
+    t.start()
+    try:
+        assert GATE["reached"].wait(60), outcome
+        # the reader is inside its restore: another job deletes step 5 and saves it again
+        other = aso.AtomicCheckpointManager(env.root, item_names=names, options=ocp.CheckpointManagerOptions(
+            temporary_path_class=env.cls, enable_async_checkpointing=False))
+        other.delete(5)
+        other.save(5, args=ocp.args.Composite(params=ocp.args.StandardSave(tree(2)), gate=GateSave(2)))
+    finally:
+        GATE["go"].set()
+        t.join(60)
+        GATE.clear()
+    (got,) = outcome
+    assert isinstance(got, atomicstore.PreconditionFailedError), got  # never a silent mix
+    assert "replaced while it was being read" in str(got)
+    back = mgr.restore(5, args=ocp.args.Composite(params=ocp.args.StandardRestore(tree(0)), gate=GateRestore()))
+    assert same(back["params"], tree(2)) and back["gate"] == 2  # a restore now: one save, whole
+
+
+# -- 2. hostile or oversized input ---------------------------------------------------------------------
+@pytest.mark.parametrize("env", ["gcs"], indirect=True)
+def test_hostile_or_oversized_records_are_refused_and_never_acted_on(env: Env):
+    mgr = atomic_manager(env, enable_async_checkpointing=False)
+    for step in range(1, 8):
+        mgr.save(step, args=ocp.args.StandardSave(tree(step)))
+    d = env.store().driver
+    good = json.loads(d.read("1/commit_success.txt"))
+    hostile = {
+        1: b"\xff\xfe not json",
+        2: json.dumps({**good, "name": "2", "files": {"../../outside": {"size": 1, "crc32c": "00000000"}}}).encode(),
+        3: json.dumps({**good, "name": "3", "files": {"x": {"size": -5, "crc32c": "00000000"}}}).encode(),
+        4: json.dumps({**good, "name": "9"}).encode(),  # another step's record
+        5: b"[" * 100_000 + b"]" * 100_000,  # nesting deeper than the parser's stack
+        6: b"{" + b" " * (aso._MAX_MARKER_BYTES + 1) + b"}",  # larger than any record may be
+    }
+    for step, raw in hostile.items():
+        d.put(f"{step}/commit_success.txt", raw)
+    d.put(f"7/{aso.CLAIM_FILE}", b" " * (aso._MAX_CLAIM_BYTES + 1))  # an oversized claim
+    before = env.listing()
+    for step in hostile:
+        with pytest.raises(ocp.path.atomicity_types.ValidationError):
+            env.cls.check_final(f"{env.root}/{step}")
+        with pytest.raises(atomicstore.CorruptionError):
+            env.cls.verify(f"{env.root}/{step}")
+        assert env.later().judge(f"{env.root}/{step}").state != "stale"  # never cleaned up
+    assert env.later().judge(f"{env.root}/7").state != "stale"
+    assert steps(manager(env)) == [7]  # step 7's record is intact: only its claim is junk
+    assert [a for a in env.later().recover(env.root).actions if not a.target.startswith(".atomicstore")] == []
+    assert env.listing() == before  # nothing hostile was acted on
+
+
+def test_a_hostile_tree_of_empty_directories_is_not_walked_without_bound(env: Env):
+    if env.kind == "local":
+        for i in range(aso._MAX_EMPTY_DIRS + 1):
+            os.makedirs(os.path.join(env.root, "8", str(i)))
+    else:
+        fs = fsspec.filesystem("gs")
+        fs.pipe({f"{env.root[len('gs://'):]}/8/{i}/": b"" for i in range(aso._MAX_EMPTY_DIRS + 1)})
+    report = env.later().recover(env.root)  # too big to be judged: left alone, no error
+    assert not [a for a in report.actions if a.target == "8"] and step_exists(env, "8")
+
+
+# -- 3. a read-only store -----------------------------------------------------------------------------
+@pytest.mark.parametrize("env", ["gcs"], indirect=True)
+def test_read_only_credentials_restore_list_verify_and_refuse_saves_writing_nothing(env: Env, gcs_server: Any):
+    mgr = atomic_manager(env, enable_async_checkpointing=False)
+    mgr.save(1, args=ocp.args.StandardSave(tree(1)))
+    before = env.listing()
+    gcs_server.faults(FaultPlan(deny=is_mutation))
+    try:
+        ro = atomic_manager(env, enable_async_checkpointing=False)  # opens for reading
+        assert steps(ro) == [1] and same(ro.restore(1), tree(1))
+        env.cls.verify(f"{env.root}/1")
+        assert env.cls.check_final(f"{env.root}/1").name == "1"
+        assert env.later().recover(env.root, dry_run=True).actions == []
+        with pytest.raises(atomicstore.StorageError):
+            ro.save(2, args=ocp.args.StandardSave(tree(2)))
+    finally:
+        gcs_server.faults(None)
+    assert env.listing() == before
+
+
+READ_ONLY_ORBAX_CHILD = textwrap.dedent("""
+    import errno, os, sys
+    import numpy as np, orbax.checkpoint as ocp, atomicstore
+    from atomicstore.integrations.orbax import AtomicCheckpointManager, AtomicTemporaryPath
+    root = sys.argv[1]
+    try:
+        open(os.path.join(root, "probe"), "w")
+        sys.exit("the directory is writable")
+    except OSError as exc:
+        assert exc.errno == errno.EROFS, exc
+    mgr = AtomicCheckpointManager(root, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+    assert mgr.all_steps() == [1], mgr.all_steps()
+    assert float(mgr.restore(1)["w"][3]) == 3.0
+    AtomicTemporaryPath.verify(os.path.join(root, "1"))
+    assert AtomicTemporaryPath.recover(root, dry_run=True).actions == []
+    try:
+        mgr.save(2, args=ocp.args.StandardSave({"w": np.zeros(4)}))
+        sys.exit("a save to a read-only directory succeeded")
+    except atomicstore.StorageError as exc:
+        print("REFUSED", type(exc).__name__)
+    print("OK")
+""")
+
+
+def test_a_read_only_mount_restores_lists_verifies_and_refuses_saves(tmp_path: Path):
+    """A real EROFS (a bind mount remounted read-only in the child's own mount namespace,
+    which root cannot bypass)."""
+    src, ro = tmp_path / "ckpts", tmp_path / "ro"
+    ro.mkdir()
+    mgr = aso.AtomicCheckpointManager(str(src), options=ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=False))
+    mgr.save(1, args=ocp.args.StandardSave({"w": np.arange(4, dtype=np.float32)}))
+    before = sorted(str(p.relative_to(src)) for p in src.rglob("*"))
+    script = 'mount --bind "$1" "$2" && mount -o remount,ro,bind "$2" && exec "$3" -c "$4" "$2"'
+    out = subprocess.run(["unshare", "-rm", "--propagation", "private", "sh", "-c", script, "sh",
+                          str(src), str(ro), sys.executable, READ_ONLY_ORBAX_CHILD],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0 and out.stdout.endswith("OK\n"), out.stdout + out.stderr[-3000:]
+    assert "REFUSED StorageError" in out.stdout
+    assert sorted(str(p.relative_to(src)) for p in src.rglob("*")) == before
+
+
+# -- 4. a forked process --------------------------------------------------------------------------
+def _forked_child(root: str, holder: dict, q: Any) -> None:
+    try:
+        live = holder["live"]
+        refused = []
+        for call in (lambda: asyncio.run(live.finalize()), live.abort):
+            try:
+                call()
+            except atomicstore.TransactionError as exc:
+                refused.append("forked child" in str(exc))
+        holder.clear()
+        gc.collect()  # the worker drops what it inherited (its finalizer runs here)
+        cls = type(live)
+        record = cls.verify(f"{root}/1")  # the integration's entry points work in the child
+        cls.check_final(f"{root}/1")
+        report = cls.recover(root)  # the parent's save holds a live lease: left alone
+        q.put(("ok", refused, record.name, [a.target for a in report.actions]))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        q.put(("error", repr(exc)))
+
+
+def test_a_forked_child_never_touches_its_parents_save_in_flight(env: Env):
+    mgr = atomic_manager(env, enable_async_checkpointing=False)
+    mgr.save(1, args=ocp.args.StandardSave(tree(1)))
+    holder = {"live": env.cls.from_final(f"{env.root}/5")}  # the parent's save of step 5, in flight
+    asyncio.run(holder["live"].create())
+    live = holder["live"]
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_forked_child, args=(env.root, holder, q))
+    p.start()
+    try:
+        got = q.get(timeout=60)
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    assert got == ("ok", [True, True], "1", []), got
+    # the parent's save goes on: its attempt is intact and commits
+    if env.kind == "local":
+        Path(str(live.get()), "x").write_bytes(b"parent's")
+    else:
+        env.store().driver.put("5/x", b"parent's")
+    asyncio.run(live.finalize())
+    assert env.cls.check_final(f"{env.root}/5").files["x"].size == len(b"parent's")

@@ -65,7 +65,13 @@ stores it removes the dead lease but never Orbax's in-place files (the commit la
 not delete keys it does not own): :meth:`AtomicTemporaryPath.recover` runs
 ``store.recover()`` and removes claimed in-place steps that are provably uncommitted and
 dead (the lease fenced first, the claim removed last), and markers of this integration
-whose claim and files are all gone (a dead writer's late marker). On object stores one
+whose claim and files are all gone (a dead writer's late marker). On every backend it
+also removes an *empty* step directory (no file below it: a crash's leftover or a user's
+``mkdir``) once untouched for ``grace`` seconds with no live lease of its step, so that
+the removal fails if anything was written into it meanwhile;
+:class:`AtomicCheckpointManager` takes such a directory over the same way instead of
+refusing the save. A younger one may be another saver's, about to write: it is left
+alone. On object stores one
 process saves a step once at a time: a second save of a step this process is creating or
 holding is refused as it begins (:class:`~atomicstore.CommitConflictError`).
 ``docs/integrations.md`` ("Orbax") says what is and is not guaranteed.
@@ -93,7 +99,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from ..commit import Manifest, Store, Transaction, open_store
-from ..commit.lease import Lease, lease_key, read_lease_ttl
+from ..commit.lease import LEASES, Lease, lease_key, parse_lease_key, read_lease_ttl
 from ..commit.manifest import Crc32cHasher, FileEntry, crc32c
 from ..commit.names import MARKER_FILE, RESERVED_DIR, validate_name, validate_path
 from ..commit.recovery import RecoveryAction, RecoveryReport
@@ -224,6 +230,21 @@ _LIVE_LOCK = threading.Lock()
 _THREAD = threading.local()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child starts with fresh locks (another thread of the parent may have held
+    one at the fork), its own stores (opened again on first use) and none of its parent's
+    attempts (an item made here never joins the parent's save)."""
+    global _STORES_LOCK, _LIVE_LOCK
+    _STORES_LOCK = threading.Lock()
+    _LIVE_LOCK = threading.Lock()
+    _STORES.clear()
+    _LIVE.clear()
+    _THREAD.step = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _attempts_at(path: str) -> list[AtomicTemporaryPath]:
     """The step attempts of this process at temporary path ``path`` (hold ``_LIVE_LOCK``)."""
     refs = _LIVE.get(path, [])
@@ -243,9 +264,13 @@ class ForcedOverwriteWarning(UserWarning):
     checkpoint may have been lost: use :class:`AtomicCheckpointManager`."""
 
 
-def _abandon(txn: Transaction | None, lease: Lease | None) -> None:
+def _abandon(txn: Transaction | None, lease: Lease | None, pid: int) -> None:
     """An attempt dropped without ``finalize`` (its save failed, or the process exits):
-    stop its lease; what it wrote is left to recovery (or, staged, removed now)."""
+    stop its lease; what it wrote is left to recovery (or, staged, removed now). Nothing
+    in a forked child (whose exit runs the finalizers it inherited): the attempt is its
+    parent's, still in flight there."""
+    if os.getpid() != pid:
+        return
     try:
         if txn is not None:
             txn.abort()
@@ -316,6 +341,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
                  attempt: str | None, step: AtomicTemporaryPath | None = None,
                  metadata_store: Any = None, mode: int | None = None, handle: bool = False) -> None:
         self._handle = handle  # made by from_temporary: names an attempt, cannot save into it
+        self._pid = os.getpid()  # only this process creates, finalizes or aborts it
         self._final = epath.Path(final)
         self._tmp = epath.Path(tmp)
         self._root = root
@@ -333,7 +359,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         self._create_error: BaseException | None = None
         self._ended = False  # finalized or aborted
         self._found: tuple[str, str | None] | None = None  # what was at the step at from_final
-        self._finalizer: weakref.finalize[[Transaction | None, Lease | None], AtomicTemporaryPath] | None = None
+        self._finalizer: weakref.finalize[[Transaction | None, Lease | None, int], AtomicTemporaryPath] | None = None
 
     @property
     def is_item(self) -> bool:
@@ -430,6 +456,16 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         """A step attempt whose create has begun, and neither failed nor ended."""
         return self._started and not self._ended and self._create_error is None
 
+    def _check_owner(self, what: str) -> None:
+        """:class:`~atomicstore.TransactionError` in a forked child: the attempt (or the
+        step of an item) belongs to the process that made it."""
+        owner = self._step._pid if self._step is not None else self._pid
+        if os.getpid() != owner:
+            raise TransactionError(
+                f"cannot {what} {self}: it was made by process {owner}, and this is a forked child of "
+                "it (the save is the parent's, still in flight there); save from a temporary path "
+                "made in this process")
+
     def _store(self) -> Store:
         if self._root is None:
             raise TransactionError(f"{self} belongs to no store")
@@ -441,6 +477,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         lease; on object stores the claim), create the directory, write Orbax's step
         metadata. :class:`~atomicstore.CommitConflictError` if the step is committed or
         (object stores) being written by another attempt."""
+        self._check_owner("create")
         if self.is_item:
             await asyncio.to_thread(self._create_item)
         else:
@@ -519,7 +556,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         # a committed name: CommitConflictError here; then the lease, before any data
         txn = Transaction(store, self._name, metadata=meta, attempt=self._attempt)
         self._txn = txn
-        self._finalizer = weakref.finalize(self, _abandon, txn, None)
+        self._finalizer = weakref.finalize(self, _abandon, txn, None, self._pid)
         try:
             d = store.driver
             d.makedirs(txn.prefix)
@@ -541,7 +578,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         lease = Lease(d, self._name, self._attempt, store.writer_id, store.lease_ttl, store.clock)
         lease.acquire()  # before any data: recovery leaves the attempt alone while it lives
         self._lease = lease
-        self._finalizer = weakref.finalize(self, _abandon, None, lease)
+        self._finalizer = weakref.finalize(self, _abandon, None, lease, self._pid)
         try:
             self._claim(store)
             self._write_step_metadata()
@@ -583,6 +620,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         thread). An item is committed with its step: nothing to do."""
         if self.is_item:
             return
+        self._check_owner("finalize")
         if self._txn is None and self._lease is None:
             raise TransactionError(f"{self} was not created by this process: only its creator commits it")
         if self._finalized:
@@ -746,6 +784,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         fails is otherwise aborted when Orbax drops its temporary path or the process exits
         (its lease stopped; on disk its staging removed), or, if it dies, by recovery."""
         if not self.is_item and not self._finalized:
+            self._check_owner("abort")
             self._end(abort=True)
 
     def _end(self, *, abort: bool) -> None:
@@ -844,9 +883,15 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         first, so the dead writer can never commit; its objects removed; the claim last,
         so that no new attempt takes the step before it is empty) and each marker of this
         integration older than ``grace`` whose claim and files are all gone (a dead
-        writer's marker that landed late: ``kind="marker"``), then ``store.recover()``
-        (stale staging, dead leases, orphaned uploads). Returns that report, with the
-        in-place removals first (``kind="orbax"``)."""
+        writer's marker that landed late: ``kind="marker"``); on every backend, each empty
+        step directory (no file anywhere below it: a crash's leftover or a user's ``mkdir``;
+        on GCS only zero-byte ``<step>/`` placeholders) untouched for ``grace`` seconds and
+        with no live lease of its step, removed so that it can only fail if anything was
+        written into it meanwhile (``rmdir`` bottom-up, placeholders at the generation
+        read); then ``store.recover()`` (stale staging, dead leases, orphaned uploads).
+        Returns that report, with this integration's removals first (``kind="orbax"``);
+        a younger empty step directory is listed in ``in_flight`` (another saver may be
+        about to write into it)."""
         if not isinstance(dry_run, bool):
             raise InvalidArgumentError("dry_run must be a bool")
         if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int | float) or grace < 0):
@@ -855,20 +900,25 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
             raise InvalidArgumentError("now must be Unix seconds")
         store = cls.open_store(directory)
         actions: list[RecoveryAction] = []
-        if _in_place_store(store):
-            when = store.clock() if now is None else float(now)
-            g = store.grace if grace is None else float(grace)
-            for e in sorted(store.driver.listdir(""), key=lambda e: e.name):
-                try:
-                    name = validate_name(e.name)
-                except InvalidArgumentError:
-                    continue
-                if e.is_dir:
-                    act = _recover_in_place(store, name, when, g, dry_run)
-                    if act is not None:
-                        actions.append(act)
+        young: list[str] = []
+        when = store.clock() if now is None else float(now)
+        g = store.grace if grace is None else float(grace)
+        for e in sorted(store.driver.listdir(""), key=lambda e: e.name):
+            try:
+                name = validate_name(e.name)
+            except InvalidArgumentError:
+                continue
+            if not e.is_dir:
+                continue
+            if _in_place_store(store):
+                act = _recover_in_place(store, name, when, g, dry_run, young)
+            else:
+                act = _recover_empty_step(store, name, when, g, dry_run, young)
+            if act is not None:
+                actions.append(act)
         report = store.recover(dry_run=dry_run, grace=grace, now=now)
         report.actions[:0] = actions
+        report.in_flight.extend(young)
         return report
 
     @classmethod
@@ -895,8 +945,9 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
 
 
 class StepConflictError(CommitConflictError, _ocp_checkpoint_manager.StepAlreadyExistsError):  # type: ignore[misc]
-    """:class:`AtomicCheckpointManager` refused to save a step that exists (committed, or
-    being saved by another writer): before anything was written. Both atomicstore's
+    """:class:`AtomicCheckpointManager` refused to save a step that exists (committed,
+    being saved by another writer, or an empty directory modified within ``grace``
+    seconds, which may be another saver's): before anything was written. Both atomicstore's
     :class:`~atomicstore.CommitConflictError` and Orbax's ``StepAlreadyExistsError`` (a
     ``ValueError``), so either ``except`` clause catches it."""
 
@@ -904,34 +955,100 @@ class StepConflictError(CommitConflictError, _ocp_checkpoint_manager.StepAlready
 _DESTINATION_EXISTS = re.compile(r"Destination .* already exists\.?", re.DOTALL)
 
 
-def _save_without_force(save: Any, directory: Any, *args: Any, **kwargs: Any) -> Any:
+def _save_without_force(save: Any, cls: Any, directory: Any, *args: Any, **kwargs: Any) -> Any:
     """``save(directory, ..., force=False)``: Orbax's "Destination ... already exists"
-    becomes :class:`StepConflictError`."""
+    becomes :class:`StepConflictError`, except for an empty step directory untouched for
+    ``grace`` seconds (a crash's leftover, a user's ``mkdir``): that one is removed as
+    recovery would (only if still empty) and the save goes on."""
     kwargs["force"] = False
+    path = epath.Path(directory)
+    for attempt in (1, 2):
+        try:
+            return save(directory, *args, **kwargs)
+        except ValueError as exc:
+            if isinstance(exc, AtomicStoreError) or not _DESTINATION_EXISTS.fullmatch(str(exc)):
+                raise
+            why = _take_over_empty_step(cls, path) if attempt == 1 else "was created again meanwhile"
+            if why is None:
+                continue  # removed: save again, once
+            raise StepConflictError(f"step {path} {why}: refused before writing anything",
+                                    name=path.name) from exc
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _take_over_empty_step(cls: Any, path: Any) -> str | None:
+    """None if ``path`` was an empty step directory untouched for ``grace`` and is removed
+    now; else why the save of it is refused."""
+    exists = ("already exists (committed, or being saved by another writer, or left by a crashed "
+              "save that recovery has not removed yet)")
+    if not (isinstance(cls, type) and issubclass(cls, AtomicTemporaryPath)):
+        return exists
     try:
-        return save(directory, *args, **kwargs)
-    except ValueError as exc:
-        if isinstance(exc, AtomicStoreError) or not _DESTINATION_EXISTS.fullmatch(str(exc)):
-            raise
-        path = epath.Path(directory)
-        raise StepConflictError(
-            f"step {path} already exists (committed, or being saved by another writer, or left by a "
-            "crashed save until recovery removes it): refused before writing anything",
-            name=path.name) from exc
+        name = validate_name(path.name)
+        store = cls.open_store(str(path.parent))
+    except AtomicStoreError:
+        return exists
+    empty = _judge_empty_step(store, name, store.clock(), store.grace)
+    if empty is None:
+        return exists
+    if empty.state != "stale":
+        return (f"is an empty directory ({empty.reason}): another saver may be about to write into it. "
+                f"A save takes it over, and AtomicTemporaryPath.recover removes it, once it is untouched "
+                f"for grace={store.grace:.0f}s and no save of it holds a lease; delete it if it is yours")
+    if not _remove_empty_step(store, empty):
+        return "was written into while this save was taking over its empty directory"
+    log.info("took over the empty step directory %s (%s)", store.driver.describe(name), empty.reason)
+    return None
+
+
+def _record_of(cls: Any, path: Any) -> tuple[str, float] | None:
+    """(attempt, commit time) of the committed step at ``path``, read now; None if it is
+    not a committed step of this integration."""
+    if not (isinstance(cls, type) and issubclass(cls, AtomicTemporaryPath)):
+        return None
+    try:
+        store = cls.open_store(str(path.parent))
+        manifest = _committed_manifest(store, validate_name(path.name))
+    except (NotFoundError, CorruptionError, InvalidArgumentError):
+        return None
+    return manifest.attempt, float(manifest.committed or manifest.created)
+
+
+def _restore_one_attempt(restore: Any, cls: Any, directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """``restore(directory, ...)``, checking that the step was the same committed attempt
+    before and after it: Orbax reads its files by name, unconditionally, so a step deleted
+    (or deleted and saved again) meanwhile would give bytes of two saves, or of none.
+    :class:`~atomicstore.PreconditionFailedError` then."""
+    path = epath.Path(directory)
+    before = _record_of(cls, path)
+    restored = restore(directory, *args, **kwargs)
+    if before is not None and _record_of(cls, path) != before:
+        raise PreconditionFailedError(
+            f"step {path} was deleted or replaced while it was being read (it was attempt {before[0]}): "
+            "what was read may mix two saves; restore again")
+    return restored
 
 
 class _Checkpointer(ocp.Checkpointer):  # type: ignore[misc]
-    """Orbax's ``Checkpointer``, never deleting an existing destination (``force`` ignored)."""
+    """Orbax's ``Checkpointer``, never deleting an existing destination (``force`` ignored),
+    restoring one committed attempt."""
 
     def save(self, directory: Any, *args: Any, force: bool = False, **kwargs: Any) -> Any:
-        return _save_without_force(super().save, directory, *args, **kwargs)
+        return _save_without_force(super().save, self._temporary_path_class, directory, *args, **kwargs)
+
+    def restore(self, directory: Any, *args: Any, **kwargs: Any) -> Any:
+        return _restore_one_attempt(super().restore, self._temporary_path_class, directory, *args, **kwargs)
 
 
 class _AsyncCheckpointer(ocp.AsyncCheckpointer):  # type: ignore[misc]
-    """Orbax's ``AsyncCheckpointer``, never deleting an existing destination."""
+    """Orbax's ``AsyncCheckpointer``, never deleting an existing destination, restoring
+    one committed attempt."""
 
     def save(self, directory: Any, *args: Any, force: bool = False, **kwargs: Any) -> Any:
-        return _save_without_force(super().save, directory, *args, **kwargs)
+        return _save_without_force(super().save, self._temporary_path_class, directory, *args, **kwargs)
+
+    def restore(self, directory: Any, *args: Any, **kwargs: Any) -> Any:
+        return _restore_one_attempt(super().restore, self._temporary_path_class, directory, *args, **kwargs)
 
 
 class AtomicCheckpointManager(ocp.CheckpointManager):  # type: ignore[misc]
@@ -944,15 +1061,19 @@ class AtomicCheckpointManager(ocp.CheckpointManager):  # type: ignore[misc]
 
     * its checkpointer saves with ``force=False``: a step that exists is refused before
       anything is written or deleted, with :class:`StepConflictError` (an
-      :class:`~atomicstore.CommitConflictError`); a step saved concurrently is decided by
+      :class:`~atomicstore.CommitConflictError`), except an empty step directory untouched
+      for ``grace`` seconds, which is removed (only if still empty) and saved over, as
+      :meth:`AtomicTemporaryPath.recover` would; a step saved concurrently is decided by
       :class:`AtomicTemporaryPath` (claim and conditional marker on object stores,
       ``rename(NOREPLACE)`` on disk), the loser getting ``CommitConflictError``;
     * ``options.temporary_path_class`` defaults to :class:`AtomicTemporaryPath` (a
       class given must be one of its subclasses, e.g. from :meth:`~AtomicTemporaryPath.with_options`).
 
     A step this manager already lists raises :class:`StepConflictError` too (Orbax raises
-    its ``StepAlreadyExistsError`` there). Everything else (arguments, restore, retention,
-    async saves) is ``ocp.CheckpointManager``'s.
+    its ``StepAlreadyExistsError`` there). ``restore`` checks that the step was the same
+    committed attempt before and after Orbax read it (Orbax reads files by name): a step
+    deleted or saved again meanwhile raises :class:`~atomicstore.PreconditionFailedError`.
+    Everything else (arguments, retention, async saves) is ``ocp.CheckpointManager``'s.
     """
 
     def __init__(self, directory: Any, checkpointers: Any = None, options: Any = None,
@@ -1339,11 +1460,12 @@ def _remove_in_place(store: Store, name: str, *, keep_claim: bool,
     return len(keys)
 
 
-def _recover_in_place(store: Store, name: str, now: float, grace: float, dry_run: bool
-                      ) -> RecoveryAction | None:
+def _recover_in_place(store: Store, name: str, now: float, grace: float, dry_run: bool,
+                      young: list[str]) -> RecoveryAction | None:
     j = _judge_in_place(store, name, now, grace)
     if j.state == "foreign" and j.claim_generation is None:
-        return _recover_dangling_marker(store, name, now, grace, dry_run)
+        return (_recover_dangling_marker(store, name, now, grace, dry_run)
+                or _recover_empty_step(store, name, now, grace, dry_run, young))
     if j.state != "stale":
         return None
     why = f"uncommitted in-place Orbax step (attempt {j.attempt}): {j.reason}"
@@ -1422,3 +1544,112 @@ def _recover_dangling_marker(store: Store, name: str, now: float, grace: float, 
         except (PreconditionFailedError, NotFoundError):
             return None  # changed meanwhile: the next pass decides
     return RecoveryAction("marker", key, why, 1)
+
+
+@dataclass
+class _EmptyStep:
+    """A step directory holding no file, judged from storage read just now: ``state`` is
+    ``"stale"`` (untouched for ``grace`` and no live lease of the step: may be removed),
+    ``"young"`` or ``"leased"``. ``dirs``: what to remove, deepest first: on disk
+    ``(path, (st_dev, st_ino))`` of each directory, on object stores ``(placeholder key,
+    generation)`` of each zero-byte ``<dir>/`` object."""
+
+    name: str
+    state: str
+    reason: str
+    dirs: list[tuple[str, Any]] = field(default_factory=list)
+
+
+#: an "empty" tree with more directories than this is not judged (hostile input)
+_MAX_EMPTY_DIRS = 1000
+
+
+def _judge_empty_step(store: Store, name: str, now: float, grace: float) -> _EmptyStep | None:
+    """``name`` as an empty step directory, or None if it is not one: absent, not a
+    directory, or anything below it is not a directory (a file, a symlink; on object
+    stores an object that is not a zero-byte ``<dir>/`` placeholder). Committed steps are
+    never empty (a manifest or marker is a file)."""
+    d = store.driver
+    newest = 0.0
+    dirs: list[tuple[str, Any]] = []
+    if not _in_place_store(store):
+        top = d.path(name)
+        stack = [top]
+        seen: list[tuple[str, Any]] = []
+        while stack:
+            where = stack.pop()
+            try:
+                st = os.lstat(where)
+                if not stat.S_ISDIR(st.st_mode):
+                    return None
+                with os.scandir(where) as it:
+                    entries = list(it)
+            except OSError:
+                return None
+            newest = max(newest, st.st_mtime, st.st_ctime)
+            seen.append((where, (st.st_dev, st.st_ino)))
+            for e in entries:
+                if not e.is_dir(follow_symlinks=False) or len(seen) + len(stack) >= _MAX_EMPTY_DIRS:
+                    return None
+                stack.append(e.path)
+        dirs = sorted(seen, key=lambda x: x[0].count(os.sep), reverse=True)
+    else:
+        found = d.find(name)
+        if not found or len(found) > _MAX_EMPTY_DIRS:
+            return None
+        for key in found:
+            if found[key].size:
+                return None
+            try:
+                info = d.info(key + "/")  # a "directory": the zero-byte object <key>/
+            except NotFoundError:
+                return None  # a zero-byte file: not empty
+            newest = max(newest, info.mtime if info.mtime is not None else now)
+            dirs.append((key + "/", info.generation))
+        dirs.sort(key=lambda x: x[0].count("/"), reverse=True)
+    for lk in (parse_lease_key(k) for k in d.find(LEASES)):
+        if lk is not None and lk[0] == name and _lease_state(store, name, lk[1], now, grace)[0] == "alive":
+            return _EmptyStep(name, "leased", f"a save of it holds a live lease (attempt {lk[1]})", dirs)
+    age = now - newest
+    if newest + grace > now:
+        return _EmptyStep(name, "young", f"modified {max(age, 0.0):.0f}s ago, within grace={grace:.0f}s", dirs)
+    return _EmptyStep(name, "stale", f"untouched for {age:.0f}s, no live lease", dirs)
+
+
+def _recover_empty_step(store: Store, name: str, now: float, grace: float, dry_run: bool,
+                        young: list[str]) -> RecoveryAction | None:
+    """Remove ``name`` if it is a stale empty step directory; a younger one (or one whose
+    step holds a live lease) is added to ``young``."""
+    empty = _judge_empty_step(store, name, now, grace)
+    if empty is None:
+        return None
+    if empty.state != "stale":
+        young.append(name)
+        return None
+    if not dry_run and not _remove_empty_step(store, empty):
+        return None
+    why = f"empty step directory (no file: a crashed save's or a user's mkdir): {empty.reason}"
+    return RecoveryAction("orbax", name, why, len(empty.dirs))
+
+
+def _remove_empty_step(store: Store, empty: _EmptyStep) -> bool:
+    """Remove a stale empty step directory, each removal failing if anything was written
+    meanwhile: on disk ``rmdir`` bottom-up (which refuses a non-empty directory), each
+    directory first checked to be the one judged; on object stores each placeholder
+    deleted at the generation read (a file written meanwhile is another object: never
+    touched). True if all of it is gone."""
+    d = store.driver
+    for where, ident in empty.dirs:
+        try:
+            if not _in_place_store(store):
+                st = os.lstat(where)
+                if (st.st_dev, st.st_ino) != ident or not stat.S_ISDIR(st.st_mode):
+                    return False  # replaced since it was judged: another saver's
+                os.rmdir(where)
+            else:
+                d.delete(where, if_generation=ident)
+        except FileNotFoundError:
+            continue  # removed meanwhile (another recovery)
+        except (OSError, PreconditionFailedError):
+            return False  # written into, or re-created, since it was judged: left alone
+    return True
