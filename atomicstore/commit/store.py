@@ -315,7 +315,31 @@ class Store:
         commit it atomically: see :class:`~atomicstore.commit.onefile.OneFileCommit`."""
         validate_name(name)
         validate_writable(name, what="checkpoint name")
-        return OneFileCommit(self, name, overwrite=overwrite)
+        # A directory-layout checkpoint of that name is refused (the layouts cannot be
+        # swapped atomically): checked alongside the commit's own first requests.
+        native = self.driver.background(lambda: self.strategy.has_checkpoint(name))
+
+        def is_native() -> bool:
+            return self.strategy.has_checkpoint(name) if native.cancel() else native.result()
+
+        try:
+            commit = OneFileCommit(self, name, overwrite=overwrite)
+        except AlreadyExistsError:
+            if is_native():
+                raise self.strategy.one_file_over_native(name) from None
+            raise
+        except BaseException:
+            native.cancel()
+            raise
+        try:
+            found = is_native()
+        except BaseException:
+            commit.abort()
+            raise
+        if found:
+            commit.abort()
+            raise self.strategy.one_file_over_native(name)
+        return commit
 
     def write_file(self, path: str, data: bytes, *, overwrite: bool = True) -> None:
         """Write one small file at the store root atomically: readers see the old content

@@ -129,6 +129,39 @@ class CommitStrategy(ABC):
             log.warning("committed, but could not remove the replaced data %s: %s",
                         self.driver.describe(prefix), exc)
 
+    def is_file(self, name: str) -> bool:
+        """Whether ``name`` itself is a single file/object (a one-file checkpoint, such as
+        flax's, lives there); a directory or a prefix is not."""
+        try:
+            self.driver.info(name)
+        except NotFoundError:
+            return False
+        return True
+
+    def has_checkpoint(self, name: str) -> bool:
+        """Whether a directory-layout checkpoint is committed as ``name`` (what a one-file
+        save must not land on: :meth:`one_file_over_native`)."""
+        return self.current(name) is not None
+
+    def native_over_one_file(self, name: str) -> AlreadyExistsError:
+        """The refusal to save a directory-layout checkpoint as ``name``, which holds a
+        single file: the two layouts cannot be swapped in one atomic step (and a marker
+        committed beside the object would leave two checkpoints under one name)."""
+        return AlreadyExistsError(
+            f"{self.driver.describe(name)} holds a single-file checkpoint (flax's layout, or "
+            "another single file): a directory-layout checkpoint cannot replace it, because the "
+            "two layouts cannot be swapped atomically; delete it first or save under another name"
+        )
+
+    def one_file_over_native(self, name: str) -> AlreadyExistsError:
+        """The refusal to save a one-file checkpoint as ``name``, which holds a committed
+        directory-layout checkpoint (the converse of :meth:`native_over_one_file`)."""
+        return AlreadyExistsError(
+            f"{self.driver.describe(name)} holds a directory-layout checkpoint: a single-file "
+            "(flax) checkpoint cannot replace it, because the two layouts cannot be swapped "
+            "atomically; delete it first or save under another name"
+        )
+
     def _conflict(self, name: str, winner: str | None = None) -> CommitConflictError:
         return CommitConflictError(
             f"checkpoint {self.driver.describe(name)} was committed by another writer"
@@ -184,6 +217,8 @@ class RenameStrategy(CommitStrategy):
     def begin(self, name: str, attempt: str, *, overwrite: bool = False) -> str:
         if self.driver.exists(name) and not self.empty_dir(name):
             if self.current(name) is None:
+                if self.is_file(name):
+                    raise self.native_over_one_file(name)
                 raise self._not_a_checkpoint(name)
             if not overwrite:
                 raise self._conflict(name)
@@ -288,9 +323,12 @@ class RenameStrategy(CommitStrategy):
     def empty_dir(self, name: str) -> bool:
         """Whether ``name`` is an empty directory (made by a user's ``mkdir``,
         ``tempfile.mkdtemp`` or ``TemporaryDirectory``): never a checkpoint (a committed
-        one holds its manifest), so a commit takes it over (:meth:`_take_over_empty`)."""
+        one holds its manifest), so a commit takes it over (:meth:`_take_over_empty`).
+        A file never is one, though a driver may list nothing below it (memory): it may be
+        a one-file checkpoint."""
         d = self.driver
-        return d.capabilities.directories and d.exists(name) and not d.find(name) and not d.listdir(name)
+        return (d.capabilities.directories and d.exists(name) and not d.find(name)
+                and not d.listdir(name) and not self.is_file(name))
 
     def _take_over_empty(self, staging: str, name: str) -> bool:
         """Commit ``staging`` onto the empty directory ``name`` in one atomic step (the
@@ -381,9 +419,21 @@ class MarkerStrategy(CommitStrategy):
     _prefix = attempt_prefix
 
     def begin(self, name: str, attempt: str, *, overwrite: bool = False) -> str:
-        if not overwrite and self.driver.exists(f"{name}/{MARKER_FILE}"):
+        d = self.driver
+        # The object <name> itself (a one-file checkpoint) is checked alongside the marker
+        # (and the lease the caller writes meanwhile): both HEADs go out together. Were the
+        # background threads all busy, the check is taken back and run here (a caller
+        # already on one of them never waits on a queued request).
+        one_file = d.background(lambda: self.is_file(name))
+        if not overwrite and d.exists(f"{name}/{MARKER_FILE}"):
+            one_file.cancel()
             raise self._conflict(name)
+        if self.is_file(name) if one_file.cancel() else one_file.result():
+            raise self.native_over_one_file(name)
         return self._prefix(name, attempt)
+
+    def has_checkpoint(self, name: str) -> bool:
+        return self.driver.exists(f"{name}/{MARKER_FILE}")  # one HEAD
 
     def marker_state(self, name: str) -> tuple[Marker | None, str | None, str | None]:
         """(marker if readable, its generation, the checkpoint's generation) read afresh;
