@@ -122,6 +122,28 @@ def test_two_ranks_save_sharded_state_and_load_with_two_and_one_ranks(kind, requ
     assert all(k.startswith(("step_1/", "step_2/")) for k in left_keys(st)), left_keys(st)
 
 
+# -- issue 21 row 17: the reader checks exactly what torch reads, on every torch -------------
+@pytest.mark.parametrize("kind", ["local"])  # (the reported case; stock reader compared)
+def test_a_two_rank_dtensor_checkpoint_loads_clean_whatever_the_file_layout(kind, request, tmp_path):
+    # The reported case (torch 2.14.1): rank 1's file holds a bytes item, then its shard of
+    # w (at [1261, 527126)); the clean load failed its CRC32C check. Saved, then loaded on
+    # the same layout, resharded (columns), by one rank, and by the stock reader.
+    b = make_backend(kind, request, tmp_path)
+    res = run(2, b.url, b.options, [
+        {"op": "save", "name": "step_1", "val": 1.0, "state": "wide"},
+        {"op": "load", "name": "step_1", "val": 1.0, "state": "wide", "layout": "rows"},
+        {"op": "load", "name": "step_1", "val": 1.0, "state": "wide", "layout": "cols"},
+    ] + ([{"op": "load_stock", "name": "step_1", "val": 1.0, "state": "wide"}] if kind == "local" else []),
+        tmp_path, "wide")
+    ok(res, 4 if kind == "local" else 3)
+    st = b.open()
+    items = json.loads(st.open("step_1").read_bytes(ITEMS_FILE))["items"]
+    # the layout of the report: a file whose tensor item does not start at offset 0
+    assert any(off > 0 and n > 2**19 for its in items.values() for off, n, _ in its), items
+    one = run(1, b.url, b.options, [{"op": "load", "name": "step_1", "val": 1.0, "state": "wide"}], tmp_path, "one")
+    ok(one, 1)
+
+
 # -- a rank failing or killed mid-write: nothing committed, nothing left ---------------------
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_a_rank_raising_mid_write_commits_nothing(kind, request, tmp_path):

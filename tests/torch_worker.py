@@ -25,6 +25,8 @@ Steps ("op"):
   load_stock   the same through the stock FileSystemReader (local disk)
   rendezvous   wait until "count" ranks (of any job) touched a file in "dir"
   barrier      torch.distributed.barrier
+
+A save or load step with "state": "wide" uses :func:`wide` instead (issue 21 row 17).
 """
 
 from __future__ import annotations
@@ -71,6 +73,29 @@ def state(val: float, mesh, layout: str) -> dict:
     s["model"]["b"] = distribute_tensor(s["model"]["b"], mesh, [Replicate()])
     s["optim"]["m"] = distribute_tensor(s["optim"]["m"], mesh, [Shard(0)])
     return s
+
+
+def wide(val: float, mesh, layout: str) -> dict:
+    """The state of issue 21 row 17 (``"state": "wide"``): a 512 x 512 float32 DTensor
+    sharded over the ranks, a replicated one and a Python value, so that DCP's dedup gives
+    rank 1 a file with a bytes item before its shard of ``w`` (``__1_0.distcp``: ``w`` at
+    [1261, 527126) on torch 2.13 and 2.14)."""
+    w = torch.arange(512 * 512, dtype=torch.float32).reshape(512, 512) * val
+    s = {"step": int(val), "w": w, "b": torch.full((512,), val)}
+    if mesh is None:
+        return s
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    s["w"] = distribute_tensor(w, mesh, [Shard(0 if layout == "rows" else 1)])
+    s["b"] = distribute_tensor(s["b"], mesh, [Replicate()])
+    return s
+
+
+def check_wide(got: dict, val: float) -> list[str]:
+    want = wide(val, None, "rows")
+    bad = [k for k in ("w", "b") if not torch.equal(
+        got[k].full_tensor() if hasattr(got[k], "full_tensor") else got[k], want[k])]
+    return bad + (["step"] if got["step"] != want["step"] else [])
 
 
 def zeroed(s: dict) -> dict:
@@ -157,7 +182,7 @@ def main() -> None:
                 planner = None
                 if op in ("fail_write", "kill_write") and rank_n in step.get("bad", [rank_n]):
                     planner = Sabotage("kill" if op == "kill_write" else "raise")
-                sd = state(step["val"], mesh, layout)
+                sd = (wide if step.get("state") == "wide" else state)(step["val"], mesh, layout)
                 if step.get("plain"):  # no with block: the writer is only dropped (then collected)
                     dcp.save(sd, storage_writer=AtomicStorageWriter(target, **kw, **opts), planner=planner)
                 else:
@@ -174,9 +199,9 @@ def main() -> None:
                         fut.result()  # (left the with block first with "leave")
             elif op in ("load", "load_stock"):
                 reader = AtomicStorageReader(target, **opts) if op == "load" else dcp.FileSystemReader(target)
-                got = zeroed(state(step["val"], mesh, layout))
+                got = zeroed((wide if step.get("state") == "wide" else state)(step["val"], mesh, layout))
                 dcp.load(got, storage_reader=reader)
-                entry["bad"] = check(got, step["val"])
+                entry["bad"] = (check_wide if step.get("state") == "wide" else check)(got, step["val"])
             elif op == "rendezvous":
                 os.makedirs(step["dir"], exist_ok=True)
                 open(os.path.join(step["dir"], f"{os.getpid()}"), "w").close()

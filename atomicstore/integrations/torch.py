@@ -20,10 +20,18 @@ writes (``DTensor``, sharded state dicts, resharding on load); atomicstore does 
 * the coordinator commits once, in ``finish``, with ``.metadata`` and every rank's files
   in the manifest: the checkpoint is visible iff complete, and one writer wins a name.
 
-The files are DCP's own (``torch.save`` per item, ``.metadata`` pickled by DCP with the
-stock per-item records), so a committed checkpoint on local disk is also readable by the
-stock ``FileSystemReader``. atomicstore adds ``manifest.json`` and
-``atomicstore-dcp.json`` (the CRC32C of every item, so a ranged read is verified).
+The files are DCP's own (``torch.save`` per item, through DCP's stream extensions if
+any, ``.metadata`` pickled by DCP with the stock per-item records), so a committed
+checkpoint on local disk is also readable by the stock ``FileSystemReader``. atomicstore
+adds ``manifest.json`` and ``atomicstore-dcp.json`` (the CRC32C of every item's stored
+bytes, so a ranged read is verified). The reader unpickles ``.metadata`` with a
+restricted unpickler (DCP's metadata classes only): a hostile pickle runs nothing.
+
+The writer and the reader take the stock ``FileSystemWriter``'s and ``FileSystemReader``'s
+arguments (``path=``, ``single_file_per_rank``, ``sync_files``, ``thread_count``,
+``per_thread_copy_ahead``, ``cache_staged_state_dict``, ``overwrite``, ``_extensions``,
+``serialization_format``; ``_extension_registry``); ``docs/integrations.md`` says what
+each does here.
 
 A save that fails after the global plan leaves its attempt open on the coordinator until
 the writer is used again (``reset``), leaves a ``with`` block on the error, is :meth:`aborted
@@ -43,7 +51,7 @@ import os
 import pickle
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, TypeVar, cast
 
 import torch
@@ -59,6 +67,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -68,6 +77,7 @@ from ..drivers import Writer
 from ..errors import (
     AtomicStoreError,
     ChecksumMismatchError,
+    CommitConflictError,
     CorruptionError,
     InvalidArgumentError,
     NotFoundError,
@@ -75,6 +85,14 @@ from ..errors import (
     TransactionError,
 )
 from ..pytree import split_url
+
+try:  # DCP's stream extensions and serialization formats (torch >= 2.7)
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+    _TORCH_SAVE: Any = SerializationFormat.TORCH_SAVE
+except ImportError:  # pragma: no cover - older torch: neither exists, only the default is accepted
+    ExtensionRegistry = StreamTransformExtension = SerializationFormat = None  # type: ignore[assignment,misc]
+    _TORCH_SAVE = "torch_save"
 
 __all__ = ["ITEMS_FILE", "METADATA_FILE", "AtomicStorageReader", "AtomicStorageWriter", "atomicstore_error", "load",
            "save"]
@@ -101,7 +119,9 @@ class AttemptPlan:
 
 @dataclasses.dataclass(frozen=True)
 class ItemRecord:
-    """One written item: where it is, its CRC32C, and its file's final size and CRC32C."""
+    """One written item: where it is, the CRC32C of its stored bytes, its file's final size
+    and CRC32C, and the descriptors of the stream extensions it went through (DCP's
+    ``transform_descriptors``; empty: none)."""
 
     file: str
     offset: int
@@ -109,6 +129,7 @@ class ItemRecord:
     crc32c: int
     file_size: int
     file_crc32c: int
+    transforms: tuple[str, ...] = ()
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -129,6 +150,29 @@ def _is_url(checkpoint_id: object) -> bool:
     except InvalidArgumentError:
         return False
     return True
+
+
+def _where_to(checkpoint_id: str | os.PathLike[str] | None, path: str | os.PathLike[str] | None,
+              cls: str) -> tuple[str, str]:
+    """(root, name) from ``checkpoint_id`` or the stock writers' and readers' ``path=``
+    (one of them)."""
+    if checkpoint_id is not None and path is not None:
+        raise InvalidArgumentError(f"{cls}: pass checkpoint_id or path (the stock name of the same argument), "
+                                   "not both")
+    where = checkpoint_id if checkpoint_id is not None else path
+    if where is None:
+        raise InvalidArgumentError(f"{cls}: checkpoint_id (or path=) is required: '<store>/<name>'")
+    return _split(where)
+
+
+def _can_pin() -> bool:
+    """Whether pinned memory can be had (it needs an accelerator)."""
+    acc = getattr(torch, "accelerator", None)
+    return bool(acc.is_available()) if acc is not None else torch.cuda.is_available()
+
+
+def _count(v: object, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
 class _ItemStream(io.RawIOBase):
@@ -162,13 +206,34 @@ class _ItemStream(io.RawIOBase):
         return False
 
 
+class _Unclosable(io.RawIOBase):
+    """What a stream extension writes into: closing it (as an extension's writer does when
+    it is closed) only flushes, so the file goes on with the next item (DCP's own
+    ``NoCloseWriter``)."""
+
+    def __init__(self, raw: _ItemStream) -> None:
+        super().__init__()
+        self.raw = raw
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return self.raw.write(b)
+
+    def close(self) -> None:
+        self.flush()
+
+
+def _item_size(wi: WriteItem) -> int:
+    if wi.tensor_data is None:
+        return 0
+    return int(torch.Size(wi.tensor_data.size).numel()) * torch.empty((), dtype=wi.tensor_data.properties.dtype
+                                                                        ).element_size()
+
+
 def _buckets(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
     """Items split over ``n`` files by size (the stock writer's rule), empty files dropped."""
-    def size(wi: WriteItem) -> int:
-        if wi.tensor_data is None:
-            return 0
-        return int(torch.Size(wi.tensor_data.size).numel()) * torch.empty((), dtype=wi.tensor_data.properties.dtype).element_size()
-
     if n <= 1:
         return [items] if items else []
     out: list[list[WriteItem]] = [[] for _ in range(n)]
@@ -176,11 +241,67 @@ def _buckets(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
     byte_items = [wi for wi in items if wi.type == WriteItemType.BYTE_IO]
     for i, wi in enumerate(byte_items):
         out[i % n].append(wi)
-    for wi in sorted((wi for wi in items if wi.type != WriteItemType.BYTE_IO), key=size, reverse=True):
+    for wi in sorted((wi for wi in items if wi.type != WriteItemType.BYTE_IO), key=_item_size, reverse=True):
         k = load.index(min(load))
         out[k].append(wi)
-        load[k] += size(wi)
+        load[k] += _item_size(wi)
     return [b for b in out if b]
+
+
+# -- .metadata: a pickle, read with a restricted unpickler ----------------------------------
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+#: every global DCP's metadata pickles (checked on torch 2.13 and 2.14); nothing else is found
+_METADATA_GLOBALS = frozenset({
+    *((_DCP_METADATA, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                   "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                   "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # older DCP metadata (the ShardedTensor-era TensorProperties)
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # torch.layout pickles as _get_layout("torch.strided")
+    # a stock writer's StorageMeta.checkpoint_id (atomicstore's is a str)
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: a global (the only way a pickle reaches
+    code) must be one of DCP's metadata classes, ``torch.Size``, a ``torch.dtype`` or a
+    layout; anything else (``os.system``, ``builtins.eval``, a class of the caller's)
+    raises before it is looked up, so a hostile ``.metadata`` runs nothing."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (
+                module == "torch" and isinstance(vars(torch).get(name), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not part of DCP metadata")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not part of DCP metadata")
+
+
+def _unpickle_metadata(raw: bytes) -> Metadata:
+    """DCP metadata from ``raw`` through :class:`_MetadataUnpickler`, its storage records
+    checked; ``ValueError`` (saying why) if it is anything else."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure: not readable metadata
+        raise ValueError(f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise ValueError(f"not DCP metadata (a {type(metadata).__name__})")
+    for key, info in metadata.storage_data.items():
+        if not isinstance(key, MetadataIndex) or not isinstance(key.fqn, str):
+            raise ValueError(f"a storage record keyed by {type(key).__name__}")
+        descs = getattr(info, "transform_descriptors", None)
+        if not (isinstance(info, _StorageInfo) and isinstance(info.relative_path, str)
+                and _count(info.offset, 0, 2**62) and _count(info.length, 0, 2**62)
+                and (descs is None or (isinstance(descs, list | tuple) and all(isinstance(d, str) for d in descs)))):
+            raise ValueError(f"malformed storage record of {key.fqn!r}")
+    return metadata
 
 
 #: items at least this large are read by torch.load straight from storage (_ItemFile)
@@ -190,11 +311,15 @@ _EDGE = 64 << 10
 
 class _ItemFile(io.RawIOBase):
     """One item's byte range of a checkpoint file, as the seekable file ``torch.load``
-    reads: its small reads (zip headers, directory) are served from the first and last
-    64 KiB read up front; a large read (the tensor's bytes) goes straight from storage into
-    the caller's buffer, the tensor's own memory: one copy, as the stock reader makes.
-    Every range read is CRC32C'd, so :meth:`crc32c` checks the whole item afterwards
-    without a second copy (only bytes torch never read are read again, a few KiB)."""
+    reads, verified to be exactly what ``torch.load`` was given.
+
+    Every byte comes from one of three places: the first and last 64 KiB (the zip headers
+    and directory), read up front and served from memory, or the middle (the tensor's
+    bytes), read straight from storage into the caller's buffer (the tensor's own memory:
+    one copy, as the stock reader makes), each range CRC32C'd as it is read. :meth:`crc32c`
+    then gives the item's CRC32C from exactly those bytes, whatever the order, sizes or
+    overlaps of torch's reads (a torch version may read differently), reading only the
+    middle bytes torch never asked for."""
 
     def __init__(self, ckpt: Checkpoint, file: str, offset: int, length: int) -> None:
         super().__init__()
@@ -203,7 +328,7 @@ class _ItemFile(io.RawIOBase):
         self.head = ckpt.read_range(file, offset, offset + min(length, _EDGE))
         self.tail_at = max(len(self.head), length - _EDGE)
         self.tail = ckpt.read_range(file, offset + self.tail_at, offset + length)
-        self.spans: list[tuple[int, int, int]] = []  # (start, length, CRC32C) of each range served
+        self.middle: list[tuple[int, int, int]] = []  # (start, length, CRC32C) of each middle range served
 
     def readable(self) -> bool:
         return True
@@ -221,37 +346,44 @@ class _ItemFile(io.RawIOBase):
 
     def readinto(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
-        n = max(0, min(mv.nbytes, self.length - self.pos))
         a = self.pos
-        if a + n <= len(self.head):
-            mv[:n] = self.head[a : a + n]
-        elif a >= self.tail_at:
-            mv[:n] = self.tail[a - self.tail_at : a - self.tail_at + n]
-        elif n:
-            self.ckpt.read_range_into(self.file, self.offset + a, mv[:n])
-        if n:
-            self.spans.append((a, n, crc32c(mv[:n])))
-        self.pos += n
-        return n
+        end = a + max(0, min(mv.nbytes, self.length - a))
+        h, t = len(self.head), self.tail_at
+        if a < min(end, h):  # from the head
+            mv[: min(end, h) - a] = self.head[a : min(end, h)]
+        lo, hi = max(a, h), min(end, t)
+        if lo < hi:  # from storage, into the caller's buffer
+            part = mv[lo - a : hi - a]
+            self.ckpt.read_range_into(self.file, self.offset + lo, part)
+            self.middle.append((lo, hi - lo, crc32c(part)))
+        lo = max(a, t)
+        if lo < end:  # from the tail
+            mv[lo - a : end - a] = self.tail[lo - t : end - t]
+        self.pos = end
+        return end - a
 
-    def crc32c(self) -> int:
-        """The CRC32C of the whole item: the ranges read, in order, and any gaps between
-        them read now."""
-        # the largest ranges first (the tensor's bytes), then whatever does not overlap them
-        chosen: list[tuple[int, int, int]] = []
-        for a, n, c in sorted(set(self.spans), key=lambda sp: -sp[1]):
+    def _read_crc(self, a: int, b: int) -> int:
+        return crc32c(self.ckpt.read_range(self.file, self.offset + a, self.offset + b))
+
+    def crc32c(self) -> int | None:
+        """The CRC32C of the item as ``torch.load`` was given it (head, middle ranges,
+        tail), the middle bytes it never read read now; None if a middle range it was given
+        twice (overlapping reads) is no longer what storage holds."""
+        h, t = len(self.head), self.tail_at
+        chosen: list[tuple[int, int, int]] = []  # the largest ranges first, then what does not overlap them
+        for a, n, c in sorted(set(self.middle), key=lambda sp: -sp[1]):
             if all(a + n <= b or b + m <= a for b, m, _ in chosen):
                 chosen.append((a, n, c))
-        crc, at = 0, 0
+            elif self._read_crc(a, a + n) != c:  # given twice: the other copy checked against storage
+                return None
+        crc, at = crc32c(self.head), h
         for a, n, c in sorted(chosen):
             if a > at:
-                crc = crc32c_combine(crc, crc32c(self.ckpt.read_range(self.file, self.offset + at, self.offset + a)),
-                                     a - at)
+                crc = crc32c_combine(crc, self._read_crc(at, a), a - at)
             crc, at = crc32c_combine(crc, c, n), a + n
-        if at < self.length:
-            crc = crc32c_combine(crc, crc32c(self.ckpt.read_range(self.file, self.offset + at,
-                                                                  self.offset + self.length)), self.length - at)
-        return crc
+        if at < t:
+            crc = crc32c_combine(crc, self._read_crc(at, t), t - at)
+        return crc32c_combine(crc, crc32c(self.tail), len(self.tail))
 
 
 class _Budget:
@@ -303,16 +435,35 @@ class _Located:
 
 
 # -- writer -------------------------------------------------------------------------------
-class AtomicStorageWriter(_Located, StorageWriter):
+class AtomicStorageWriter(_Located, StorageWriter, BlockingAsyncStager):
     """A DCP ``StorageWriter`` whose checkpoint becomes visible only complete, once.
+
+    It takes the stock ``FileSystemWriter``'s arguments, in its order, with their meaning
+    (``docs/integrations.md`` has the table):
 
     Args:
         checkpoint_id: ``<store>/<name>``: a local path or an ``s3://``/``gs://``/fsspec URL
-            (DCP's ``checkpoint_id=`` may name another one per save).
-        overwrite: replace a committed checkpoint of that name in one atomic step
-            (compare-and-swap: a concurrent overwrite makes one of them fail); by default a
-            committed name is refused with :class:`~atomicstore.CommitConflictError`.
+            (``path=`` is the same argument under the stock writer's name; DCP's
+            ``checkpoint_id=`` may name another one per save).
+        single_file_per_rank: True (default): each rank writes ``thread_count`` files;
+            False: one file per item, as the stock writer.
+        sync_files: accepted for the stock writer's sake: atomicstore always makes a
+            commit durable (files and directories fsynced on POSIX), ``False`` included.
         thread_count: files (and threads) each rank writes at once.
+        per_thread_copy_ahead: accepted (an int >= 0); the stock writer uses it to copy
+            ahead from the GPU on one thread. Here each item is copied to the CPU as it
+            is written.
+        cache_staged_state_dict: as the stock writer (a ``BlockingAsyncStager``): with
+            ``dcp.async_save``, keep the staged CPU copy of the state for the next save.
+        overwrite: replace a committed checkpoint of that name in one atomic step
+            (compare-and-swap: a concurrent overwrite makes one of them fail); by default
+            (unlike the stock writer, whose default is True) a committed name is refused
+            with :class:`~atomicstore.CommitConflictError`.
+        _extensions: DCP's stream extensions (e.g. ``ZStandard()`` compression) applied to
+            every item, as the stock writer does; the CRC32Cs are those of the stored
+            (transformed) bytes.
+        serialization_format: ``SerializationFormat.TORCH_SAVE`` only (``SAFETENSORS``
+            is refused: DCP's own readers do not read it back from these files).
         store_options: passed to :func:`~atomicstore.open_store` (``retry``,
             ``lease_ttl``, ``writer_id``, fsspec storage options such as ``endpoint_url``).
 
@@ -321,16 +472,34 @@ class AtomicStorageWriter(_Located, StorageWriter):
     flight, as with DCP's own writers.
     """
 
-    def __init__(self, checkpoint_id: str | os.PathLike[str], *, overwrite: bool = False, thread_count: int = 1,
-                 **store_options: Any) -> None:
-        super().__init__()
-        if not isinstance(overwrite, bool):
-            raise InvalidArgumentError("overwrite must be a bool")
-        if not isinstance(thread_count, int) or isinstance(thread_count, bool) or not 1 <= thread_count <= 64:
+    def __init__(self, checkpoint_id: str | os.PathLike[str] | None = None, single_file_per_rank: bool = True,
+                 sync_files: bool = True, thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000,
+                 cache_staged_state_dict: bool = False, overwrite: bool = False,
+                 _extensions: Sequence[Any] | None = None, serialization_format: Any = _TORCH_SAVE, *,
+                 path: str | os.PathLike[str] | None = None, **store_options: Any) -> None:
+        StorageWriter.__init__(self)
+        for arg, v in (("single_file_per_rank", single_file_per_rank), ("sync_files", sync_files),
+                       ("cache_staged_state_dict", cache_staged_state_dict), ("overwrite", overwrite)):
+            if not isinstance(v, bool):
+                raise InvalidArgumentError(f"{arg} must be a bool")
+        if not _count(thread_count, 1, 64):
             raise InvalidArgumentError("thread_count must be an int from 1 to 64")
-        self.root, self.name = _split(checkpoint_id)
+        if not _count(per_thread_copy_ahead, 0, 2**62):
+            raise InvalidArgumentError("per_thread_copy_ahead must be an int >= 0 (bytes)")
+        self.extensions: tuple[Any, ...] = self._check_extensions(_extensions)
+        if serialization_format != _TORCH_SAVE and serialization_format != getattr(_TORCH_SAVE, "value", _TORCH_SAVE):
+            raise InvalidArgumentError(
+                f"serialization_format={serialization_format!r} is not supported: AtomicStorageWriter writes DCP's "
+                "torch_save format, which FileSystemReader and AtomicStorageReader read (SAFETENSORS files are "
+                "read only by HuggingFaceStorageReader from a directory of its own layout)")
+        self.root, self.name = _where_to(checkpoint_id, path, "AtomicStorageWriter")
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.overwrite = overwrite
         self.thread_count = thread_count
+        self.single_file_per_rank = single_file_per_rank
+        self.sync_files = sync_files
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.serialization_format = _TORCH_SAVE
         self.store_options = dict(store_options)
         self.is_coordinator = False
         self.rank = 0
@@ -339,12 +508,38 @@ class AtomicStorageWriter(_Located, StorageWriter):
         self._finalizer = weakref.finalize(self, _abort, self._txn)
         self.save_id = os.urandom(8).hex()
 
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.async_save``'s copy of the state to the CPU (the stock writer's, a
+        ``BlockingAsyncStager``'s). With ``cache_staged_state_dict`` the copy is kept for the
+        next save, in pinned memory where there is an accelerator to pin it for (the stock
+        writer fails without one)."""
+        if self.cache_staged_state_dict and self.state_dict_cache is None and not _can_pin():
+            from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+            self.state_dict_cache = _create_cpu_state_dict(state_dict)
+        staged: dict[str, Any] = super().stage(state_dict)
+        return staged
+
+    @staticmethod
+    def _check_extensions(extensions: Sequence[Any] | None) -> tuple[Any, ...]:
+        if extensions is None:
+            return ()
+        if isinstance(extensions, str | bytes) or not isinstance(extensions, Sequence):
+            raise InvalidArgumentError("_extensions must be a sequence of DCP StreamTransformExtension objects")
+        for ex in extensions:
+            if StreamTransformExtension is None or not isinstance(ex, StreamTransformExtension):
+                raise InvalidArgumentError(
+                    f"_extensions: {type(ex).__name__} is not a torch.distributed.checkpoint._extension."
+                    "StreamTransformExtension (the only kind of extension DCP's writers apply)")
+        return tuple(extensions)
+
     # pickled by DCP's process-based async executor: the store is reopened on the other side
     def __getstate__(self) -> dict[str, Any]:
         if self._txn[0] is not None:
             raise TransactionError("an AtomicStorageWriter cannot be pickled in the middle of a save")
         state = self.__dict__.copy()
         state["_store"] = None
+        state["state_dict_cache"] = None  # (a cache of the stager, rebuilt on its side)
         del state["_txn"], state["_finalizer"]
         return state
 
@@ -397,20 +592,42 @@ class AtomicStorageWriter(_Located, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.abort()
+        if not all(getattr(p, "usable", True) for p in plans):
+            # DCP's plan caching: such a rank writes its cached plan of an earlier save,
+            # which names that save's attempt (a committed checkpoint's files, on S3)
+            raise InvalidArgumentError(
+                "AtomicStorageWriter: a rank sent a cached save plan (a SavePlanner with plan caching, e.g. "
+                "DefaultSavePlanner(enable_plan_caching=True)): a cached plan names an earlier save's attempt, "
+                "so that rank would write into it; use a planner without plan caching")
         # the conflict check and the lease come first: a committed name fails every rank
         # here, before any rank writes
-        txn = self.store.transaction(self.name, metadata={"format": "torch.distributed.checkpoint"},
-                                     overwrite=self.overwrite)
+        try:
+            txn = self.store.transaction(self.name, metadata={"format": "torch.distributed.checkpoint"},
+                                         overwrite=self.overwrite)
+        except CommitConflictError as exc:
+            if type(exc) is not CommitConflictError:
+                raise
+            raise CommitConflictError(
+                f"{self.checkpoint_id} is already a committed checkpoint: nothing was written. Pass overwrite=True "
+                "to replace it in one atomic step (the stock FileSystemWriter's default is True, "
+                "AtomicStorageWriter's is False)", name=exc.name, winner=exc.winner) from None
         self._txn[0] = txn
         return [dataclasses.replace(p, storage_data=AttemptPlan(txn.prefix, f"__{i}_")) for i, p in enumerate(plans)]
+
+    def _files(self, plan: SavePlan, where: AttemptPlan) -> list[tuple[str, list[WriteItem]]]:
+        """(file name, its items): ``thread_count`` files by size, or one per item."""
+        groups = _buckets(plan.items, self.thread_count) if self.single_file_per_rank else [[wi] for wi in plan.items]
+        return [(f"{where.files}{n}{SUFFIX}", items) for n, items in enumerate(groups)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         where = plan.storage_data
         if not isinstance(where, AttemptPlan):
             raise TransactionError("AtomicStorageWriter.write_data: the plan was not made by AtomicStorageWriter "
                                    "(prepare_global_plan)")
-        jobs = [(f"{where.files}{n}{SUFFIX}", items) for n, items in enumerate(_buckets(plan.items, self.thread_count))]
+        jobs = self._files(plan, where)
         driver = self.store.driver
+        extensions = self.extensions
+        descriptors = tuple(ex.get_descriptor() for ex in reversed(extensions))  # (the stock writer's order)
 
         def one(file: str, items: list[WriteItem]) -> list[WriteResult]:
             w = driver.open_writer(f"{where.prefix}/{file}")
@@ -422,33 +639,40 @@ class AtomicStorageWriter(_Located, StorageWriter):
                     data = planner.resolve_data(wi)
                     start = stream.size
                     stream.item_crc = 0
+                    sink: IO[bytes] = cast(IO[bytes], stream)
+                    if extensions:
+                        sink = cast(IO[bytes], _Unclosable(stream))
+                        for ex in extensions:
+                            sink = ex.transform_to(sink)
                     if wi.type == WriteItemType.BYTE_IO:
                         if not isinstance(data, io.BytesIO):
                             raise InvalidArgumentError(f"item {wi.index.fqn}: planner resolved {type(data).__name__}, "
                                                        "expected io.BytesIO")
-                        stream.write(data.getbuffer())
+                        sink.write(data.getbuffer())
                     else:
                         if not isinstance(data, torch.Tensor):
                             raise InvalidArgumentError(f"item {wi.index.fqn}: planner resolved {type(data).__name__}, "
                                                        "expected a tensor")
-                        torch.save(data.detach().cpu(), cast(IO[bytes], stream))
+                        torch.save(data.detach().cpu(), sink)
+                    if extensions:
+                        sink.close()  # the extensions' last bytes (the item's stream stays open)
                     spans.append((wi, start, stream.size - start, stream.item_crc))
                 w.close()
             except BaseException:
                 w.abort()
                 raise
             return [WriteResult(index=wi.index, size_in_bytes=n,
-                                storage_data=ItemRecord(file, off, n, c, stream.size, stream.crc))
+                                storage_data=ItemRecord(file, off, n, c, stream.size, stream.crc, descriptors))
                     for wi, off, n, c in spans]
 
         # errors are raised here, not stored in the returned future: a torch Future holding
         # an exception whose traceback reaches this frame is a cycle Python's GC cannot see
         # through, and it would keep this writer (and its attempt) alive
-        if len(jobs) <= 1:
+        if len(jobs) <= 1 or self.thread_count <= 1:
             results = [r for f, items in jobs for r in one(f, items)]
         else:
             # every thread is waited for, and the first error (from any thread) raised
-            with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            with concurrent.futures.ThreadPoolExecutor(min(self.thread_count, len(jobs))) as pool:
                 parts = [pool.submit(one, f, items) for f, items in jobs]
                 results = [r for p in parts for r in p.result()]
         fut: Future[list[WriteResult]] = Future()
@@ -471,15 +695,24 @@ class AtomicStorageWriter(_Located, StorageWriter):
                                            "was not written by AtomicStorageWriter")
                 if files.setdefault(rec.file, (rec.file_size, rec.file_crc32c)) != (rec.file_size, rec.file_crc32c):
                     raise TransactionError(f"finish of {self.checkpoint_id}: {rec.file} reported twice")
-                storage[wr.index] = _StorageInfo(rec.file, rec.offset, rec.length)
+                storage[wr.index] = (_StorageInfo(rec.file, rec.offset, rec.length, list(rec.transforms))
+                                     if rec.transforms else _StorageInfo(rec.file, rec.offset, rec.length))
                 items.setdefault(rec.file, []).append([rec.offset, rec.length, rec.crc32c])
             metadata.version = DCP_VERSION
             metadata.storage_data = storage
             metadata.storage_meta = self.storage_meta()
+            raw = pickle.dumps(metadata)
+            try:  # what the reader would refuse is refused before the commit
+                _unpickle_metadata(raw)
+            except ValueError as exc:
+                raise InvalidArgumentError(
+                    f"finish of {self.checkpoint_id}: the save's DCP metadata holds what AtomicStorageReader's "
+                    f"restricted unpickler refuses ({exc}); a custom planner put it there (planner_data or "
+                    "storage_meta): keep those to DCP's own types and plain data") from None
             for file, (size, crc) in sorted(files.items()):
                 txn.adopt(file, size, crc)
             txn.write_bytes(ITEMS_FILE, json.dumps({"version": 1, "items": items}, sort_keys=True).encode())
-            txn.write_bytes(METADATA_FILE, pickle.dumps(metadata))
+            txn.write_bytes(METADATA_FILE, raw)
             self._txn[0] = None
             txn.commit()
         except BaseException:
@@ -500,12 +733,17 @@ class AtomicStorageReader(_Located, StorageReader):
 
     An uncommitted (or missing) checkpoint raises :class:`~atomicstore.NotFoundError`; a
     damaged one :class:`~atomicstore.ChecksumMismatchError` or
-    :class:`~atomicstore.CorruptionError` naming the file and item. DCP wraps errors
-    raised while loading in its ``CheckpointException`` (its ``failures`` maps each rank to
-    the error).
+    :class:`~atomicstore.CorruptionError` naming the file and item (a ``.metadata``
+    that is not DCP metadata, hostile pickles included, is refused unexecuted); one
+    replaced or deleted while it is read :class:`~atomicstore.PreconditionFailedError`.
+    DCP wraps errors raised while loading in its ``CheckpointException`` (its ``failures``
+    maps each rank to the error).
 
     Args:
-        checkpoint_id: ``<store>/<name>`` as for :class:`AtomicStorageWriter`.
+        checkpoint_id: ``<store>/<name>`` as for :class:`AtomicStorageWriter` (``path=``:
+            the same, under the stock reader's name).
+        _extension_registry: as the stock ``FileSystemReader``'s: the stream extensions
+            items were written with (default: DCP's, ``ZStandard`` included).
         thread_count: items each rank reads, checks and decodes at once (default: one on
             local disk, where a load is bound by memory bandwidth; 8 on object stores,
             where each read waits on the network).
@@ -514,16 +752,21 @@ class AtomicStorageReader(_Located, StorageReader):
         store_options: passed to :func:`~atomicstore.open_store`.
     """
 
-    def __init__(self, checkpoint_id: str | os.PathLike[str], *, thread_count: int | None = None,
+    def __init__(self, checkpoint_id: str | os.PathLike[str] | None = None, _extension_registry: Any = None, *,
+                 path: str | os.PathLike[str] | None = None, thread_count: int | None = None,
                  max_inflight_bytes: int = 256 * 2**20, **store_options: Any) -> None:
         super().__init__()
-        if thread_count is not None and (not isinstance(thread_count, int) or isinstance(thread_count, bool)
-                                         or not 1 <= thread_count <= 64):
+        if thread_count is not None and not _count(thread_count, 1, 64):
             raise InvalidArgumentError("thread_count must be None or an int from 1 to 64")
-        if not isinstance(max_inflight_bytes, int) or isinstance(max_inflight_bytes, bool) or max_inflight_bytes < 1:
+        if not _count(max_inflight_bytes, 1, 2**62):
             raise InvalidArgumentError("max_inflight_bytes must be a positive int")
+        if _extension_registry is not None and (ExtensionRegistry is None
+                                                or not isinstance(_extension_registry, ExtensionRegistry)):
+            raise InvalidArgumentError("_extension_registry must be a torch.distributed.checkpoint._extension."
+                                       "ExtensionRegistry")
+        self.extension_registry = _extension_registry
         self.max_inflight_bytes = max_inflight_bytes
-        self.root, self.name = _split(checkpoint_id)
+        self.root, self.name = _where_to(checkpoint_id, path, "AtomicStorageReader")
         self.thread_count = thread_count
         self.store_options = dict(store_options)
         self._store: Store | None = None
@@ -556,25 +799,23 @@ class AtomicStorageReader(_Located, StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP turns an error here into an AssertionError quoting it: keep ours for load()
         try:
-            return self._read_metadata()
+            ckpt = self._open()
+            return self._replacement_named(ckpt, "its DCP metadata", lambda: self._read_metadata(ckpt))
         except AtomicStoreError as exc:
             self.metadata_error = exc
             raise
 
-    def _read_metadata(self) -> Metadata:
-        ckpt = self._open()
+    def _read_metadata(self, ckpt: Checkpoint) -> Metadata:
         for f in (METADATA_FILE, ITEMS_FILE):
             if f not in ckpt.files:
                 raise CorruptionError(f"{ckpt.where(f)}: missing: {self.checkpoint_id} is not a DCP checkpoint "
                                       "written by AtomicStorageWriter", path=f)
         raw = ckpt.read_bytes(METADATA_FILE)  # verified against the manifest before unpickling
         try:
-            metadata = pickle.loads(raw)
-        except Exception as exc:  # noqa: BLE001 - any unpickling failure is a damaged file
-            raise CorruptionError(f"{ckpt.where(METADATA_FILE)}: unreadable DCP metadata ({exc})",
+            metadata = _unpickle_metadata(raw)
+        except ValueError as exc:
+            raise CorruptionError(f"{ckpt.where(METADATA_FILE)}: not DCP metadata, refused unexecuted ({exc})",
                                   path=METADATA_FILE) from None
-        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-            raise CorruptionError(f"{ckpt.where(METADATA_FILE)}: not DCP metadata", path=METADATA_FILE)
         self._items = self._parse_items(ckpt)
         meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         meta.load_id = self.load_id
@@ -599,8 +840,8 @@ class AtomicStorageReader(_Located, StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
         if not self._items:
-            self._open()
-            self._items = self._parse_items(self._open())
+            ckpt = self._open()
+            self._items = self._replacement_named(ckpt, "its item records", lambda: self._parse_items(ckpt))
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -608,8 +849,9 @@ class AtomicStorageReader(_Located, StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def _record(self, ckpt: Checkpoint, req: ReadItem) -> tuple[str, int, int, int]:
-        """(file, offset, length, CRC32C) of an item, from DCP's metadata and ours."""
+    def _record(self, ckpt: Checkpoint, req: ReadItem) -> tuple[str, int, int, int, tuple[str, ...]]:
+        """(file, offset, length, CRC32C, stream extensions) of an item, from DCP's metadata
+        and ours."""
         info = self.storage_data.get(req.storage_index)
         fqn = req.storage_index.fqn
         if not isinstance(info, _StorageInfo):
@@ -620,7 +862,7 @@ class AtomicStorageReader(_Located, StorageReader):
         if expected is None or expected[0] != info.length:
             raise CorruptionError(f"{ckpt.where(file)}: {fqn} at [{off}, {off + info.length}) has no checksum record",
                                   path=file, leaf=fqn)
-        return file, off, info.length, expected[1]
+        return file, off, info.length, expected[1], tuple(getattr(info, "transform_descriptors", None) or ())
 
     def _replaced(self, ckpt: Checkpoint) -> bool:
         """Whether the checkpoint being read was replaced or deleted since it was opened."""
@@ -629,26 +871,67 @@ class AtomicStorageReader(_Located, StorageReader):
         except AtomicStoreError:
             return False
 
+    def _replacement_named(self, ckpt: Checkpoint, what: str, read: Callable[[], _T]) -> _T:
+        """``read()``; an error of atomicstore's raised while the checkpoint was replaced or
+        deleted (its files gone: ``NotFoundError``; other bytes: a checksum error) is
+        :class:`~atomicstore.PreconditionFailedError`, not damage."""
+        try:
+            return read()
+        except AtomicStoreError as exc:
+            if not isinstance(exc, PreconditionFailedError) and self._replaced(ckpt):
+                raise PreconditionFailedError(
+                    f"{self.checkpoint_id} was replaced or deleted (an overwrite or delete by another job) while "
+                    f"it was being read (at {what}: {type(exc).__name__}); load it again") from None
+            raise
+
+    def _untransform(self, ckpt: Checkpoint, file: str, fqn: str, descs: tuple[str, ...], data: bytes) -> bytes:
+        """An item's bytes back through the stream extensions it was written with."""
+        registry = self.extension_registry
+        if registry is None:
+            if ExtensionRegistry is None:  # pragma: no cover - torch without extensions
+                raise CorruptionError(f"{ckpt.where(file)}: item {fqn} names stream extensions {list(descs)}, "
+                                      "which this torch does not have", path=file, leaf=fqn)
+            registry = ExtensionRegistry()
+        try:
+            extensions = registry.from_descriptor_list(descs)
+        except Exception as exc:  # noqa: BLE001 - unknown extension, or one it cannot build here
+            raise InvalidArgumentError(
+                f"{ckpt.where(file)}: item {fqn} was written through the stream extensions {list(descs)}, which "
+                f"this reader cannot undo ({exc}): pass _extension_registry= with them registered") from None
+        stream: IO[bytes] = io.BytesIO(data)
+        for ex in extensions:
+            if StreamTransformExtension is not None and isinstance(ex, StreamTransformExtension):
+                stream = ex.transform_from(stream)
+        try:
+            return stream.read(-1)
+        except Exception as exc:  # noqa: BLE001 - bytes that passed their CRC32C but do not decode
+            raise CorruptionError(f"{ckpt.where(file)}: item {fqn} does not decode through {list(descs)} ({exc})",
+                                  path=file, leaf=fqn) from None
+
     def _load_item(self, ckpt: Checkpoint, req: ReadItem, planner: LoadPlanner, lock: threading.Lock) -> None:
-        file, off, length, crc = self._record(ckpt, req)
+        self._replacement_named(ckpt, f"item {req.storage_index.fqn}",
+                                lambda: self._load_checked(ckpt, req, planner, lock))
+
+    def _load_checked(self, ckpt: Checkpoint, req: ReadItem, planner: LoadPlanner, lock: threading.Lock) -> None:
+        file, off, length, crc, descs = self._record(ckpt, req)
         fqn = req.storage_index.fqn
 
-        def mismatch() -> AtomicStoreError:
-            if self._replaced(ckpt):
-                return PreconditionFailedError(f"{self.checkpoint_id} was replaced (overwrite=True) while it was "
-                                               f"being read (at item {fqn}); load it again")
+        def mismatch() -> ChecksumMismatchError:
             return ChecksumMismatchError(f"{ckpt.where(file)}: item {fqn} at [{off}, {off + length}) fails its "
                                          "CRC32C check", path=file, leaf=fqn)
 
-        if req.type == LoadItemType.BYTE_IO or length < _DIRECT_READ:
+        src: io.RawIOBase | io.BytesIO
+        if descs or req.type == LoadItemType.BYTE_IO or length < _DIRECT_READ:
             data = ckpt.read_range(file, off, off + length)
             if crc32c(data) != crc:
                 raise mismatch()
+            if descs:  # checked as stored, then decoded
+                data = self._untransform(ckpt, file, fqn, descs, data)
             if req.type == LoadItemType.BYTE_IO:
                 with lock:
                     planner.load_bytes(req, io.BytesIO(data))
                 return
-            src: io.IOBase = io.BytesIO(data)
+            src = io.BytesIO(data)
         else:  # large: the tensor's bytes go from storage straight into its memory, checked there
             src = _ItemFile(ckpt, file, off, length)
         try:
