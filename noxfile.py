@@ -18,6 +18,9 @@ nox.options.reuse_existing_virtualenvs = True
 TORCH = "torch==2.13.0"
 
 
+# The exhaustive harnesses: run in full on PYTHONS[0] only (see `tests`).
+HARNESSES = ["tests/test_interleavings.py", "tests/test_crash.py"]
+
 # The Pythons the package supports (pyproject's requires-python and classifiers say the same).
 PYTHONS = ["3.11", "3.12", "3.13"]
 # A session whose Python is not on the machine fails instead of being skipped.
@@ -50,8 +53,14 @@ def tests(session: nox.Session) -> None:
     # for minutes (gcsfs reads its HNS switch at first import; conftest.py now sets it
     # first). The split stays as a guard.
     if not session.posargs:
+        # The exhaustive harnesses (every interleaving of the actors, every crash state)
+        # explore the protocol's logic, which does not change with the Python version:
+        # they run in full once, on the oldest Python, and the other Pythons run the rest
+        # (CI's time budget: .ci/run runs 3.11 and 3.13).
+        harnesses = [] if session.python == PYTHONS[0] else [f"--ignore={h}" for h in HARNESSES]
         session.run("pytest", "-q", "tests/test_integration_orbax.py")
-        session.run("pytest", "-q", "--ignore=tests/test_integration_orbax.py")
+        session.run("pytest", "-q", "--durations=25", "--ignore=tests/test_integration_orbax.py",
+                    *harnesses)
     else:
         session.run("pytest", "-q", *session.posargs)
 
@@ -159,3 +168,18 @@ def build(session: nox.Session) -> None:
         # the preemption demo: a JAX training child killed with SIGKILL mid-save, recovered
         session.run("atomicstore", "demo", env={"TMPDIR": str(work)})
     shutil.rmtree(work)
+
+
+# The newest torch `pip install torch` gives this machine kind (PyPI's CUDA build, which
+# runs every CPU op the tests use without a GPU): the other end of the declared range.
+TORCH_NEWEST = "torch==2.14.1"
+
+
+@nox.session(python="3.11")
+def tests_torch_newest(session: nox.Session) -> None:
+    """The torch integration's tests on the newest torch (``TORCH_NEWEST``): the suite's
+    own torch is the oldest tested (``TORCH``), so both ends of the range run."""
+    session.install(TORCH_NEWEST)
+    session.install("-e", ".[test]")
+    session.run("python", "-c", "import torch; assert torch.__version__.startswith('2.14.1'), torch.__version__")
+    session.run("pytest", "-q", "tests/test_integration_torch.py", "tests/test_torch_contract.py", *session.posargs)
