@@ -83,3 +83,22 @@ def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Backend:
 @pytest.fixture(params=OBJECT_BACKENDS)
 def object_backend(request: pytest.FixtureRequest, tmp_path: Any) -> Backend:
     return make_backend(request.param, request, tmp_path)
+
+
+def in_forked_child(target: Any, *args: Any, timeout: float = 60) -> tuple[Any, int | None]:
+    """Run ``target(*args, queue)`` in a child made by ``fork`` (a data-loader worker
+    inheriting the parent's objects) and return what it put on the queue and its exit
+    code; the child is killed if it outlives ``timeout``."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q))
+    p.start()
+    try:
+        got = q.get(timeout=timeout)
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    return got, p.exitcode

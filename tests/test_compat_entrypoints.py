@@ -13,7 +13,6 @@ The table of answers is ``docs/migrating-from-flax.md`` ("Every entry point, fou
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 import flax
 import numpy as np
 import pytest
-from conftest import make_backend
+from conftest import in_forked_child, make_backend
 
 import atomicstore
 from atomicstore.compat import fjformer as fj
@@ -288,17 +287,8 @@ def test_a_forked_child_uses_the_compat_modules_as_its_parent_left_them(kind, re
     ck.save_checkpoint(url, state(2.0), 2, async_manager=am, storage_options=opts)
     am.wait_previous_save()
     fj.save_state_to_file(state(1.0), f"{url}/s.fjf", storage_options=opts)
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(url, opts, am, q))
-    p.start()
-    try:
-        got = q.get(timeout=60)
-    finally:
-        p.join(30)
-        if p.is_alive():
-            p.kill()
-    assert got == ("ok", True) and p.exitcode == 0, got
+    got, exitcode = in_forked_child(_child, url, opts, am)
+    assert got == ("ok", True) and exitcode == 0, got
     assert same(ck.restore_checkpoint(url, None, storage_options=opts), state(3.0))
     assert same(fj.load_checkpoint(f"{url}/child.fjf", storage_options=opts), state(4.0))
     ck.save_checkpoint(url, state(5.0), 5, async_manager=am, storage_options=opts)  # the parent's still works

@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import gc
 import json
-import multiprocessing
 import os
 import queue
 import signal
@@ -32,6 +31,7 @@ import fsspec
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import in_forked_child
 from orbax.checkpoint._src.path import temporary_paths
 
 import atomicstore
@@ -1109,16 +1109,7 @@ def test_a_forked_child_never_touches_its_parents_save_in_flight(env: Env):
     holder = {"live": env.cls.from_final(f"{env.root}/5")}  # the parent's save of step 5, in flight
     asyncio.run(holder["live"].create())
     live = holder["live"]
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_forked_child, args=(env.root, holder, q))
-    p.start()
-    try:
-        got = q.get(timeout=60)
-    finally:
-        p.join(30)
-        if p.is_alive():
-            p.kill()
+    got, _ = in_forked_child(_forked_child, env.root, holder)
     assert got == ("ok", [True, True], "1", []), got
     # the parent's save goes on: its attempt is intact and commits
     if env.kind == "local":
