@@ -58,6 +58,20 @@ class Once:
             return True
 
 
+class Held(Once):
+    """As :class:`Once`, and that first request is held at the server until ``release``
+    is set (a scheduler point the test controls: no stall length that load can outlast)."""
+
+    def __init__(self, pred: Predicate) -> None:
+        super().__init__(pred)
+        self.release = threading.Event()
+
+    def __call__(self, environ: dict[str, Any]) -> bool:
+        if super().__call__(environ):
+            self.release.wait(60)
+        return False
+
+
 def writes_object(suffix: str) -> Predicate:
     """A write (PUT/POST, not a delete) of an object whose key ends with ``suffix``."""
 
@@ -300,14 +314,18 @@ def test_row4_a_commit_landing_after_recovery_removed_its_data_is_taken_back(
     store = object_backend.open(lease_ttl=60, grace=120)
     if overwrite:
         save(store, "ck", b"previous good checkpoint")
-    marker_put = Once(writes_object(f"ck/{MARKER}"))
-    object_backend.faults(FaultPlan(stalls=[(marker_put, 2.0)], lost_reply_rate=1.0 if lost else 0.0,
+    # held until recovery is done (a 2 s stall landed before recovery ran, under load)
+    marker_put = Held(writes_object(f"ck/{MARKER}"))
+    object_backend.faults(FaultPlan(stalls=[(marker_put, 0.0)], lost_reply_rate=1.0 if lost else 0.0,
                                     budget=1, applies_to=writes_object(f"ck/{MARKER}")))
     txn = store.transaction("ck", overwrite=overwrite)
     txn.write_bytes("state.bin", b"zombie")
     t, result = in_thread(txn.commit)
     assert marker_put.fired.wait(20), "the marker PUT never came"
-    report = object_backend.open().recover(now=FUTURE)  # the frozen writer is declared dead
+    try:
+        report = object_backend.open().recover(now=FUTURE)  # the frozen writer is declared dead
+    finally:
+        marker_put.release.set()
     t.join(60)
     object_backend.faults(None)
     assert result and result[0].startswith("LeaseLostError"), (

@@ -45,18 +45,23 @@ def test_fork_while_another_thread_holds_the_store_lock(tmp_path):
         os.fsync = fsync
         th = threading.Thread(target=st.delete, args=("a",), name="deleter"); th.start()
         assert entered.wait(10)
+        rd, wr = os.pipe()
         pid = os.fork()
         if pid == 0:
             done = threading.Event()
             threading.Thread(target=lambda: (st.delete("c"), done.set()), daemon=True).start()
             ok = done.wait(10)
-            print("child", "ok" if ok else "blocked", flush=True)
+            os.write(wr, b"ok" if ok else b"blocked")
             time.sleep(30)  # the worker lives on while the parent works
             os._exit(0)
         gate.set(); th.join(); os.fsync = orig_fsync
         done = threading.Event()
         threading.Thread(target=lambda: (st.delete("b"), done.set()), daemon=True).start()
         print("parent", "ok" if done.wait(10) else "blocked", flush=True)
+        # the child's answer before it is killed (it was killed before printing, under load)
+        import select
+        ready = select.select([rd], [], [], 20)[0]
+        print("child", os.read(rd, 16).decode() if ready else "silent", flush=True)
         os.kill(pid, signal.SIGKILL); os.waitpid(pid, 0)
     """)
     assert sorted(out.stdout.split()) == ["child", "ok", "ok", "parent"], out.stdout + out.stderr
