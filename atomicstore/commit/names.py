@@ -19,7 +19,7 @@ MANIFEST_FILE = "manifest.json"
 MARKER_FILE = "commit_success.txt"
 RESERVED_FILES = frozenset({MANIFEST_FILE, MARKER_FILE})
 #: The directory of one save attempt inside a checkpoint (marker strategy): ``attempt-<id>``.
-ATTEMPT_DIR_PREFIX = "attempt-"
+ATTEMPT_PREFIX = "attempt-"
 
 _NAME = re.compile(r"[A-Za-z0-9_+=-][A-Za-z0-9_.+=-]{0,199}")
 _COMPONENT_BAD = re.compile(r"[\x00-\x1f\x7f\\]")
@@ -69,7 +69,7 @@ def reserved_component(path: str) -> str | None:
     ``attempt-*`` directory), or None. Writing such a component would forge or damage a
     checkpoint (e.g. ``x/commit_success.txt`` makes ``x`` look committed)."""
     for part in path.split("/"):
-        if part == RESERVED_DIR or part in RESERVED_FILES or part.startswith(ATTEMPT_DIR_PREFIX):
+        if part == RESERVED_DIR or part in RESERVED_FILES or part.startswith(ATTEMPT_PREFIX):
             return part
     return None
 

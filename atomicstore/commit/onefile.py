@@ -38,6 +38,7 @@ from ..errors import (
 from .lease import Lease
 from .names import validate_name
 from .strategies import STAGING, new_attempt_id
+from .transaction import require_owner
 
 if TYPE_CHECKING:
     from .store import Store
@@ -90,12 +91,7 @@ class OneFileCommit:
             raise
 
     def _check_owner(self, what: str) -> None:
-        """:class:`~atomicstore.TransactionError` in a forked child: the upload is the parent's."""
-        if os.getpid() != self.pid:
-            raise TransactionError(
-                f"cannot {what} {self.name!r}: this transaction belongs to process {self.pid}; "
-                "a forked child cannot commit or abort it (begin a new one in this process)"
-            )
+        require_owner(self.pid, f"{what} {self.name!r}")
 
     def _generation(self) -> str | None:
         try:

@@ -34,13 +34,13 @@ from ..errors import (
     StorageError,
 )
 from .manifest import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, Manifest, Marker, sha256
+from .names import ATTEMPT_PREFIX as ATTEMPT_PREFIX
 from .names import MANIFEST_FILE, MARKER_FILE, RESERVED_DIR, validate_name
 
 log = logging.getLogger("atomicstore.commit")
 
 STAGING = f"{RESERVED_DIR}/staging"
 TRASH = f"{RESERVED_DIR}/trash"
-ATTEMPT_PREFIX = "attempt-"
 
 
 def new_attempt_id() -> str:

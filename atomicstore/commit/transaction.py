@@ -24,6 +24,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("atomicstore.commit")
 
 
+
+def require_owner(pid: int, what: str) -> None:
+    """:class:`~atomicstore.TransactionError` unless this is process ``pid``, which began
+    the save: in a forked child the attempt is the parent's, still in flight there (a child
+    committing or aborting it would commit the parent's half-written files, or delete the
+    data the parent's commit names)."""
+    if os.getpid() != pid:
+        raise TransactionError(
+            f"cannot {what}: this transaction belongs to process {pid}; a forked child cannot "
+            "commit or abort it (begin a new one in this process)"
+        )
+
 class _State(enum.Enum):
     OPEN = "open"
     COMMITTED = "committed"
@@ -263,14 +275,7 @@ class Transaction:
         return os.getpid() == self.pid
 
     def _check_owner(self, what: str = "use") -> None:
-        """:class:`~atomicstore.TransactionError` in a forked child: the attempt is the
-        parent's, still in flight there (a child committing or aborting it would commit
-        the parent's half-written files, or delete the data the parent's commit names)."""
-        if not self._owned():
-            raise TransactionError(
-                f"cannot {what} transaction {self.name!r}: this transaction belongs to process "
-                f"{self.pid}; a forked child cannot commit or abort it (open a new one in this process)"
-            )
+        require_owner(self.pid, f"{what} transaction {self.name!r}")
 
     def _check_open(self) -> None:
         if self._state is not _State.OPEN:

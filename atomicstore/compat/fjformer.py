@@ -63,6 +63,7 @@ import numpy as np
 
 from ..commit import Store, crc32c, open_store, path_argument, validate_name, validate_path
 from ..commit.manifest import crc32c_combine
+from ..commit.strategies import read_capped
 from ..errors import (
     AtomicStoreError,
     ChecksumMismatchError,
@@ -503,7 +504,7 @@ class _Record:
 def _read_bounded(st: Store, key: str, size: int) -> bytes | None:
     """``key`` whole, read as a file of ``size`` bytes (its size looked at before): at most
     one byte more is read, whatever replaced it since; None if it grew meanwhile."""
-    raw = st.driver.read(key, 0, size + 1)
+    raw = read_capped(st.driver, key, size)
     return raw if len(raw) <= size else None
 
 
