@@ -296,9 +296,10 @@ class _OneFile:
 
 
 def _attempt(st: Store, name: str) -> str | None:
-    """The attempt that committed ``name`` now (None if it is not committed)."""
+    """The attempt that committed ``name`` now, read afresh from its commit point alone
+    (None if it is not committed), as :meth:`Store.verify` tells damage from replacement."""
     try:
-        return st.open(name).manifest.attempt
+        return st.strategy.current(name)
     except (NotFoundError, CorruptionError):
         return None
 
