@@ -233,3 +233,14 @@ def test_local_saves_work_in_a_forked_child(tmp_path):
     assert out.stdout.split()[-1:] == ["0"], out.stdout + out.stderr
     assert atomicstore.restore(str(tmp_path / "p" / "b"))["x"].tolist() == [0, 1, 2, 3]
     assert atomicstore.restore(str(tmp_path / "q" / "b"))["x"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_the_s3_clients_socket_timeout_never_cuts_a_request_before_operation_timeout(s3_server):
+    # s3fs sets botocore's read_timeout to 15 s: a request the server held longer was cut
+    # and retried every 15 s, so a stalled save gave up after operation_timeout + 15 s (and
+    # a slow ranged read could end early). Our operation_timeout is the one deadline.
+    for timeout in (20.0, 300.0):
+        store = atomicstore.open_store(s3_server.url(s3_server.new_bucket()), **s3_server.storage_options(),
+                                       operation_timeout=timeout)
+        store.list()  # (the client exists after the first request)
+        assert store.driver.fs.s3.meta.config.read_timeout > timeout

@@ -173,7 +173,7 @@ def test_a_rank_raising_mid_write_commits_nothing(kind, request, tmp_path):
     assert not [k for k in left_keys(st) if "step_2" in k or "step_3" in k or "step_4" in k]
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", "s3", "seaweed"])
 def test_a_rank_killed_mid_write_commits_nothing_and_recovery_cleans_up(kind, request, tmp_path):
     b = make_backend(kind, request, tmp_path)
     res = run(2, b.url, b.options, [

@@ -45,7 +45,7 @@ from typing import Any
 import interleave as sched  # tests/interleave.py: the scheduler, model drivers and checks
 import numpy as np
 import pytest
-from conftest import FAST_RETRY
+from conftest import FAST_RETRY, SERVERS, note_server
 
 import atomicstore
 from atomicstore.commit.manifest import crc32c
@@ -53,6 +53,9 @@ from atomicstore.compat import flax as compat_flax
 from atomicstore.pytree import Session
 from atomicstore.pytree.format import SHARD_BLOCK
 from atomicstore.pytree.sharded import LocalShard, ShardedLeaf
+
+# exhaustive or multi-process: run in full once, on the oldest Python (noxfile `tests`)
+pytestmark = pytest.mark.slow
 
 BACKENDS = ("object", "rename")
 #: a pause long enough that the paused writer's lease is dead for everyone else
@@ -456,16 +459,22 @@ def test_checker_catches_a_lost_checkpoint() -> None:
 
 # -- the real S3 and GCS fakes ------------------------------------------------------------
 FAKE_SAMPLES = 12  # random schedules per scenario over each fake
+SEAWEED_SAMPLES = 2  # ... and over SeaweedFS (a real server: slower per request)
 
 
-@pytest.mark.parametrize("kind", ["s3", "gcs"])
+@pytest.mark.parametrize("kind", ["s3", "seaweed", "gcs"])
 def test_fake_object_stores_sample(
     kind: str, request: pytest.FixtureRequest, record_property: Any
 ) -> None:
-    """A sample of random schedules over the S3 (moto) and GCS fakes: save x recovery,
-    overwrite x overwrite with a lost reply of the first overwriter's commit, and save x
-    delete. The virtual clock there is real time plus jumps."""
-    server = request.getfixturevalue(f"{kind}_server")
+    """A sample of random schedules over the S3 (moto) and GCS fakes and a smaller one over
+    SeaweedFS (a real S3 server, through the fault layer for the lost reply): save x
+    recovery, overwrite x overwrite with a lost reply of the first overwriter's commit, and
+    save x delete. The virtual clock there is real time plus jumps."""
+    protocol, fixture = SERVERS[kind]
+    samples = SEAWEED_SAMPLES if kind == "seaweed" else FAKE_SAMPLES
+    server = request.getfixturevalue(fixture)
+    if kind == "seaweed":
+        note_server(request, "seaweed")
     server.faults(None)
     bucket = server.new_bucket()
 
@@ -481,7 +490,7 @@ def test_fake_object_stores_sample(
         (overwrite_x_overwrite, lost),
         (save_x_delete, ()),
     ]:
-        scenario = build(kind).with_faults(faults)
+        scenario = build(protocol).with_faults(faults)
 
         def same(rng: random.Random, sc: sched.Scenario = scenario) -> sched.Scenario:
             return sc
@@ -489,7 +498,7 @@ def test_fake_object_stores_sample(
         total.merge(
             sched.explore_random(
                 same,
-                range(FAKE_SAMPLES),
+                range(samples),
                 label=scenario.name,
                 inner_factory=fresh_store,
             )

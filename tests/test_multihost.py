@@ -27,6 +27,9 @@ import atomicstore
 from atomicstore.drivers.local import LOCK_KEY
 from atomicstore.testing.faults import FaultPlan, is_mutation, object_key
 
+# exhaustive or multi-process: run in full once, on the oldest Python (noxfile `tests`)
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("mh_worker.py")
 FUTURE = time.time() + 10**7
 
@@ -352,7 +355,7 @@ def test_mismatched_shardings_a_skipped_call_and_a_paused_process_0(request, tmp
 
 
 # -- 4: two jobs (a zombie and its restart) save the same step at once --------------------------
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", "s3", "seaweed"])
 def test_two_jobs_saving_one_step_at_once_one_commits_whole(kind, request, tmp_path):
     url, opts, _ = where(kind, request, tmp_path)
     meet = str(tmp_path / "meet")

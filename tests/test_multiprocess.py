@@ -21,6 +21,9 @@ from mp_worker import ROWS, expected
 import atomicstore
 from atomicstore.compat import flax as ck
 
+# exhaustive or multi-process: run in full once, on the oldest Python (noxfile `tests`)
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("mp_worker.py")
 FUTURE = time.time() + 10**7
 
@@ -104,7 +107,7 @@ def test_a_corrupt_shard_is_named(tmp_path, request):
         ck.restore_checkpoint(url, None, step=3.0)
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", "s3", "seaweed"])
 def test_a_process_lost_mid_save_means_no_commit_and_recovery_cleans(kind, request, tmp_path):
     url, opts = where(kind, request, tmp_path)
     ok(run(2, "save", "1", url, opts, tmp_path))

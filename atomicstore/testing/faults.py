@@ -25,7 +25,9 @@ outside a lock: with this layer, two racing conditional PUTs are decided one aft
 other, as a real object store decides them. And it enforces what moto 5.2.5 ignores:
 ``If-Match`` on S3 ``CompleteMultipartUpload`` (412 ``PreconditionFailed`` when the
 object's ETag differs, 404 ``NoSuchKey`` when there is no object), checked under the same
-lock, so compare-and-swap completions can be tested.
+lock, so compare-and-swap completions can be tested. In front of a real server
+(``real_server=True``, e.g. SeaweedFS) it does neither: the server decides every
+precondition, racing requests race there, and what it gets wrong stays visible.
 
 And it can log requests (:meth:`FaultInjector.recording`): method, kind (list, head, get,
 put, delete), object key, status, and when each arrived and was answered, so tests count
@@ -305,6 +307,9 @@ class FaultInjector:
 
     ``json_errors`` marks the GCS fake (errors as JSON); otherwise the backend is S3, and
     the S3-only behaviour (409 conflicts, ``If-Match`` on multipart completion) applies.
+    ``real_server`` marks a real object store behind the injector: conditional requests
+    are passed through as they come (not serialised, no precondition emulated); every
+    injected fault works the same.
     """
 
     _ERRORS = (
@@ -316,9 +321,11 @@ class FaultInjector:
          '{"error": {"code": 429, "message": "injected rateLimitExceeded"}}'),
     )
 
-    def __init__(self, app: Callable[..., Iterable[bytes]], *, json_errors: bool = False) -> None:
+    def __init__(self, app: Callable[..., Iterable[bytes]], *, json_errors: bool = False,
+                 real_server: bool = False) -> None:
         self.app = app
         self.json_errors = json_errors
+        self.real_server = real_server
         self.plan = FaultPlan()
         self._rng = random.Random(0)
         self._lock = threading.Lock()
@@ -547,7 +554,7 @@ class FaultInjector:
         if fault == "reset":
             _consume(environ)  # read (and ignore) the body so the socket holds no stray bytes
             self._drop(environ)
-        if is_conditional(environ):
+        if is_conditional(environ) and not self.real_server:
             with self._conditional:
                 refused = self._complete_precondition(environ)
                 if refused is not None:
