@@ -28,6 +28,7 @@ import atomicstore
 from atomicstore.testing.faults import (
     FaultPlan,
     Predicate,
+    is_conditional_write,
     is_multipart_completion,
     is_mutation,
     object_key,
@@ -574,14 +575,18 @@ def test_row13_racing_one_file_completions_with_409_one_wins_the_loser_leaks_not
 ) -> None:
     backend = make_backend("s3", request, tmp_path)
     first, second = backend.open(block_size=5 * MiB), backend.open(block_size=5 * MiB)
-    data_a, data_b = b"A" * (6 * MiB), b"B" * (6 * MiB)  # multipart uploads
+    data_a, data_b = b"A" * (6 * MiB), b"B" * (6 * MiB)  # B: a multipart upload
     b = second.one_file("checkpoint_3")
     b.write(data_b)
-    a_completion = Once(is_multipart_completion)  # A's completion is in progress a while
-    backend.faults(FaultPlan(conflict_on_overlap=True, stalls=[(a_completion, 1.5)]))
-    t, res_a = in_thread(lambda: _one_file(first, "checkpoint_3", data_a, overwrite=False))
-    assert a_completion.fired.wait(20)
-    res_b = outcome(b.commit)  # its completion overlaps A's: 409
+    # Two one-file commits on S3 never overlap their commit requests any more (each makes
+    # it under a claim, issue 22), so the conditional write B's completion overlaps is
+    # another client's conditional PUT of the same key (A), in progress a while.
+    a_put = Once(lambda env: is_conditional_write(env) and not is_multipart_completion(env)
+                 and (object_key(env) or "").endswith("/checkpoint_3"))
+    backend.faults(FaultPlan(conflict_on_overlap=True, stalls=[(a_put, 1.5)]))
+    t, res_a = in_thread(lambda: first.driver.put("checkpoint_3", data_a, exclusive=True))
+    assert a_put.fired.wait(20)
+    res_b = outcome(b.commit)  # its completion overlaps A's PUT: 409
     t.join(60)
     conflicts = backend.server.injector.counts["conflict"]
     backend.faults(None)

@@ -20,6 +20,8 @@ MARKER_FILE = "commit_success.txt"
 RESERVED_FILES = frozenset({MANIFEST_FILE, MARKER_FILE})
 #: The directory of one save attempt inside a checkpoint (marker strategy): ``attempt-<id>``.
 ATTEMPT_PREFIX = "attempt-"
+#: an attempt id as :func:`~atomicstore.commit.strategies.new_attempt_id` makes it
+ATTEMPT_ID = re.compile(r"\d{8}T\d{6}-[0-9a-f]{12}")
 
 _NAME = re.compile(r"[A-Za-z0-9_+=-][A-Za-z0-9_.+=-]{0,199}")
 _COMPONENT_BAD = re.compile(r"[\x00-\x1f\x7f\\]")

@@ -13,11 +13,12 @@ Committed data is never read. The rules, in ``docs/recovery.md``:
 * **Removed**: attempts no marker names and no live lease protects (stale staging
   directories, attempt prefixes of failed or crashed saves, data of half-deleted
   checkpoints), trash of interrupted deletes, expired leases whose data is gone, stale
-  temporary files of single-file writes, and unfinished multipart uploads of dead
-  attempts (S3).
+  temporary files of single-file writes, unfinished multipart uploads of dead
+  attempts (S3), and claims of one-file commits that died holding them (S3: no live
+  lease of the holder, and older than ``ttl + grace``).
 
 * **Scope**: only names of the commit strategy's own layout (staging, trash, leases,
-  ``<name>/attempt-<id>/``, its uploads, its driver's temporaries), never a name pattern a
+  claims, ``<name>/attempt-<id>/``, its uploads, its driver's temporaries), never a name pattern a
   user's checkpoint can also have (a committed checkpoint named ``checkpoint_tmp`` stays),
   never keys of another store nested below the root or the user's own.
 
@@ -35,9 +36,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import CorruptionError, InvalidArgumentError, NotFoundError, PreconditionFailedError
+from .conformance import CONFORMANCE_PREFIX
 from .lease import LEASES, lease_key, parse_lease_key, read_lease_ttl
 from .manifest import Manifest
-from .names import MANIFEST_FILE, MARKER_FILE, RESERVED_DIR, validate_name
+from .names import ATTEMPT_ID, MANIFEST_FILE, MARKER_FILE, RESERVED_DIR, validate_name
+from .onefile import parse_claim_key, read_claim
 from .strategies import ATTEMPT_PREFIX, STAGING, TRASH, MarkerStrategy, RenameStrategy
 
 if TYPE_CHECKING:
@@ -49,8 +52,6 @@ log = logging.getLogger("atomicstore.recovery")
 #: Default grace period (seconds) before unleased, unreferenced data counts as stale.
 DEFAULT_GRACE = 120.0
 
-#: an attempt id as :func:`~atomicstore.commit.strategies.new_attempt_id` makes it
-_ATTEMPT_ID = re.compile(r"\d{8}T\d{6}-[0-9a-f]{12}")
 #: the files of ``compat.flax``'s multi-process ``<prefix><step>_gda`` checkpoint
 #: (``ARRAYS_FILE`` and ``gda_file`` there): the only committed checkpoint recovery ever
 #: un-publishes, and only when its main file is absent
@@ -66,7 +67,7 @@ TEMP_MIN_AGE = 60.0
 class RecoveryAction:
     """One thing recovery removed (or, in a dry run, would remove)."""
 
-    kind: str  # "attempt", "trash", "lease", "temp", "upload", "flax"
+    kind: str  # "attempt", "trash", "lease", "claim", "temp", "upload", "flax", "marker"
     target: str  # key prefix, key, or "key (upload id)"
     reason: str
     keys: int = 0
@@ -276,6 +277,32 @@ class _Recovery:
         if self.dry_run or self.fence(name, attempt, gen):
             self.report.actions.append(RecoveryAction("lease", lease_key(name, attempt), why))
 
+    def claim(self, key: str) -> None:
+        """A one-file commit's claim (``commit/onefile.py``), read afresh: left while the
+        lease of the attempt it names is alive or while it is younger than ``ttl +
+        grace`` (the claim's ttl, else the store's); otherwise removed at the generation
+        read (a writer that took it over meanwhile keeps it)."""
+        name = parse_claim_key(key)
+        assert name is not None
+        try:
+            info = self.d.info(key)
+            holder = read_claim(self.d, key, info.generation)
+        except (NotFoundError, PreconditionFailedError):
+            return  # released or taken over since the listing
+        ttl = holder.ttl if holder.ttl is not None else self.store.lease_ttl
+        mtime = info.mtime if info.mtime is not None else self.now
+        if (holder.attempt is not None and self.lease_state(name, holder.attempt)[0] == "alive") or (
+                mtime + ttl + self.grace > self.now):
+            self.report.in_flight.append(key)
+            return
+        if not self.dry_run:
+            try:
+                self.d.delete(key, if_generation=info.generation)
+            except PreconditionFailedError:
+                return
+        self.report.actions.append(RecoveryAction(
+            "claim", key, f"claim of a one-file commit of {name!r} whose writer is dead"))
+
     def read_markers(self, names: set[str]) -> dict[str, str | None]:
         """The attempt each marker names (None: unreadable right now, so nothing of that
         name is touched); names whose marker vanished since the listing are left out.
@@ -340,6 +367,9 @@ class _Recovery:
         leases: dict[tuple[str, str], str] = {}
         trash: dict[str, list[str]] = defaultdict(list)
         temps: list[tuple[str, float]] = []
+        claims: list[str] = []
+        #: conformance checks' scratch prefixes -> their newest object's mtime
+        probes: dict[str, float] = {}
         markers: set[str] = set()
         #: directories below the root that are another store's root (its reserved
         #: directory shows in the listing while it has leases or staged files)
@@ -358,6 +388,11 @@ class _Recovery:
                 lk = parse_lease_key(key)
                 if lk is not None:
                     leases[lk] = key
+                elif parse_claim_key(key) is not None:
+                    claims.append(key)
+                elif key.startswith(CONFORMANCE_PREFIX + "/"):
+                    probe = "/".join(key.split("/", 3)[:3])
+                    probes[probe] = max(probes.get(probe, 0.0), info.mtime or now)
                 elif key.startswith(STAGING + "/"):
                     dirname = key[len(STAGING) + 1 :].split("/", 1)[0]
                     name, dot, attempt = dirname.rpartition(".")
@@ -405,12 +440,21 @@ class _Recovery:
                 continue
             self.attempt(a)
 
+        for key in sorted(claims):
+            self.claim(key)
+
         for (name, attempt) in sorted(leases):
             if (name, attempt) not in attempts:
                 self.stray_lease(name, attempt, "expired lease with no data")
 
         for prefix, keys in sorted(trash.items()):
             self.act("trash", prefix, "interrupted delete", len(keys), tree=True)
+
+        for prefix, newest in sorted(probes.items()):
+            # a check cleans up after itself; one interrupted (a crash, a lost delete) leaves
+            # its few small objects: no save ever reads them
+            if newest + max(grace, TEMP_MIN_AGE) < now:
+                self.act("temp", prefix, "conformance check interrupted", tree=True)
 
         claimed = _claimed_dirs(listing)
         if flax_prefix is not None:
@@ -441,7 +485,7 @@ class _Recovery:
         an attempt, of a store nested at ``<name>``), and neither it nor ``<name>`` is
         another store's root."""
         prefix = f"{name}/{ATTEMPT_PREFIX}{attempt}"
-        return bool(_ATTEMPT_ID.fullmatch(attempt)) and f"{prefix}/{MARKER_FILE}" not in listing and (
+        return bool(ATTEMPT_ID.fullmatch(attempt)) and f"{prefix}/{MARKER_FILE}" not in listing and (
             name not in nested and prefix not in nested)
 
     def foreign(self, key: str, claimed: set[str]) -> bool:
@@ -468,6 +512,13 @@ class _Recovery:
         own_only = self.d.own_uploads
         for key, upload_id, started in self.d.list_incomplete_uploads(""):
             if started + self.grace > self.now:
+                continue
+            if key.startswith(CONFORMANCE_PREFIX + "/"):
+                if started + max(self.grace, TEMP_MIN_AGE) < self.now:  # an interrupted check's
+                    self.report.actions.append(RecoveryAction(
+                        "upload", f"{key} ({upload_id})", "conformance check interrupted"))
+                    if not self.dry_run:
+                        self.d.abort_upload(key, upload_id)
                 continue
             name, _, rest = key.partition("/")
             ours = own_only or (_valid_name(name) and name not in nested)

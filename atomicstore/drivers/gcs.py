@@ -159,6 +159,9 @@ class GCSDriver(AsyncFsspecDriver):
         directories=False,
         native_crc32c=True,
         multipart_uploads=True,  # components of parallel composite uploads
+        # GCS evaluates ifGenerationMatch atomically with the write that completes an
+        # object (documented: "Request preconditions"); the conformance check verifies it
+        exclusive_completion=True,
     )
     own_uploads = True  # components live in the store's reserved directory
     transient_types = (
