@@ -6,14 +6,16 @@
     atomicstore inspect URL/NAME        the tree: key paths, dtypes, shapes, sizes, metadata
     atomicstore cp SRC DST              copy a checkpoint between stores, atomically, verified
     atomicstore rm URL/NAME             delete (commit point first)
+    atomicstore doctor URL              the conformance check: what the store enforces
     atomicstore demo [--store s3]       train, get killed mid-save, recover, resume
 
 Every command takes ``--json`` (machine-readable output on stdout) and
 ``-o KEY=VALUE`` storage options (VALUE parsed as JSON when it can be). Exit status: 0
 success, 1 verification failed or data corrupt, 2 bad arguments or URL, 3 not found,
 4 storage error, 5 the destination exists, 6 another writer replaced or deleted the
-checkpoint while the command was working on it (nothing was changed: run it again). A user
-error prints one line, never a traceback.
+checkpoint while the command was working on it (nothing was changed: run it again), 7 the
+store does not enforce a guarantee atomicstore relies on to commit (``doctor``, or a
+command that writes to such a store). A user error prints one line, never a traceback.
 
 ``cp``, ``rm``, ``verify`` and ``inspect`` act only on checkpoints: a committed one of the
 native layout or a flax one-file checkpoint. A path inside a checkpoint, inside a save's
@@ -32,12 +34,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import __version__
-from .commit import Store, crc32c, open_store, validate_name
+from .commit import Store, conformance, crc32c, open_store, validate_name
 from .commit.names import RESERVED_DIR
 from .commit.strategies import ATTEMPT_PREFIX
 from .errors import (
     AlreadyExistsError,
     AtomicStoreError,
+    ConformanceError,
     CorruptionError,
     InvalidArgumentError,
     NotFoundError,
@@ -49,6 +52,8 @@ from .pytree import split_url
 log = logging.getLogger("atomicstore.cli")
 
 EXIT_OK, EXIT_BAD_DATA, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_STORAGE, EXIT_EXISTS, EXIT_CHANGED = 0, 1, 2, 3, 4, 5, 6
+#: the store does not enforce a guarantee atomicstore relies on (``doctor``, ConformanceError)
+EXIT_NONCONFORMING = 7
 
 #: how many times ``cp``, ``verify`` and ``inspect`` start again on a checkpoint that another
 #: writer replaced while they read it, before they give up (exit 6)
@@ -746,6 +751,16 @@ def cmd_rm(args: argparse.Namespace, out: _Out) -> int:
     return EXIT_OK
 
 
+def cmd_doctor(args: argparse.Namespace, out: _Out) -> int:
+    where = _inside(args.url, args.options)
+    if where is not None:  # the check writes below <root>/.atomicstore/: never inside a checkpoint
+        raise InvalidArgumentError(f"{args.url} is inside {where}, not a store: check the store that holds it")
+    st = _open(args.url, args.options)
+    report = conformance.check(st.driver)  # always afresh (never this process's cached result)
+    out.emit(report.to_dict(), lambda: print(report.table()))
+    return EXIT_OK if report.ok else EXIT_NONCONFORMING
+
+
 def cmd_demo(args: argparse.Namespace, out: _Out) -> int:
     from .demo import run_demo
 
@@ -788,6 +803,10 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("rm", parents=[common], help="delete a checkpoint")
     s.add_argument("url", help="STORE_URL/NAME")
     s.set_defaults(fn=cmd_rm)
+    s = sub.add_parser("doctor", parents=[common],
+                       help="check that the store enforces what atomicstore relies on to commit")
+    s.add_argument("url", help="STORE_URL")
+    s.set_defaults(fn=cmd_doctor)
     s = sub.add_parser("demo", parents=[common], help="train, get killed mid-save, recover, resume")
     s.add_argument("--store", choices=["local", "s3"], default="local")
     s.add_argument("--dir", default=None, help="where the local store goes (default: a temporary directory)")
@@ -810,6 +829,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code, msg = EXIT_NOT_FOUND, str(exc)
     except CorruptionError as exc:
         code, msg = EXIT_BAD_DATA, str(exc)
+    except ConformanceError as exc:  # (a StorageError: caught first)
+        code, msg = EXIT_NONCONFORMING, str(exc)
     except PreconditionFailedError as exc:  # (an AlreadyExistsError: caught first)
         code, msg = EXIT_CHANGED, str(exc)
     except AlreadyExistsError as exc:

@@ -78,6 +78,20 @@ class CommitOutcomeUnknownError(StorageError):
     deleted) or lost; either way the name does not hold its data now."""
 
 
+class ConformanceError(StorageError):
+    """The store does not hold a guarantee atomicstore relies on to commit (found by the
+    conformance check before the first commit on an endpoint: e.g. it ignores a
+    precondition, or lets two racing conditional writes both succeed). Nothing was
+    written. ``guarantee`` names it, ``endpoint`` the store, ``report`` is the whole
+    :class:`~atomicstore.ConformanceReport`."""
+
+    def __init__(self, message: str, *, guarantee: str = "", endpoint: str = "", report: object = None) -> None:
+        super().__init__(message)
+        self.guarantee = guarantee
+        self.endpoint = endpoint
+        self.report = report
+
+
 class StorageTimeoutError(StorageError, TimeoutError):
     """A storage operation did not finish within its timeout."""
 
@@ -105,6 +119,7 @@ __all__ = [
     "ChecksumMismatchError",
     "CommitConflictError",
     "CommitOutcomeUnknownError",
+    "ConformanceError",
     "CorruptionError",
     "InvalidArgumentError",
     "LeaseLostError",

@@ -1,5 +1,6 @@
 """Commit layer: transactions, manifests, commit strategies, recovery. Never imports jax."""
 
+from .conformance import ConformanceReport, Guarantee
 from .manifest import FileEntry, Manifest, Marker, crc32c
 from .names import natural_key, natural_sort, path_argument, validate_name, validate_path
 from .onefile import OneFileCommit
@@ -12,7 +13,9 @@ __all__ = [
     "CheckedReader",
     "Checkpoint",
     "CommitStrategy",
+    "ConformanceReport",
     "FileEntry",
+    "Guarantee",
     "Manifest",
     "MarkerStrategy",
     "OneFileCommit",

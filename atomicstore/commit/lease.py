@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from ..drivers.base import Driver
 from ..errors import CorruptionError, LeaseLostError, NotFoundError, PreconditionFailedError
+from . import conformance
 from .names import RESERVED_DIR
 
 log = logging.getLogger("atomicstore.commit")
@@ -86,7 +87,14 @@ class Lease:
     def acquire(self, *, wait: bool = True) -> None:
         """Write the lease and start renewing it. With ``wait=False`` the write may still
         be in flight when this returns (:meth:`Driver.background`): then nothing of the
-        attempt may be stored before :meth:`wait` returned."""
+        attempt may be stored before :meth:`wait` returned.
+
+        Every writer takes a lease before its first write, so this is where the first
+        commit on an endpoint waits for the conformance check
+        (:func:`~atomicstore.commit.conformance.ensure`: once per endpoint and bucket per
+        process): :class:`~atomicstore.ConformanceError` if the store does not hold a
+        guarantee a commit relies on, before anything is written."""
+        conformance.ensure(self.driver, conformance.COMMIT)
         start = self.clock()
         doc = self._doc(start)
         self.expires = start + self.ttl

@@ -19,12 +19,15 @@ from ..drivers.base import Driver
 from ..errors import (
     AlreadyExistsError,
     ChecksumMismatchError,
+    ConformanceError,
     CorruptionError,
     InvalidArgumentError,
     NotFoundError,
     PreconditionFailedError,
 )
 from ..retry import RetryPolicy
+from . import conformance
+from .conformance import ConformanceReport
 from .lease import DEFAULT_LEASE_TTL
 from .manifest import (
     MAX_MANIFEST_BYTES,
@@ -244,6 +247,8 @@ class Store:
 
     Create one with :func:`open_store`. The commit strategy is chosen from the driver's
     declared capabilities: ``rename`` on POSIX and memory, ``marker`` on object stores.
+    Before the first commit on an object store's endpoint, a conformance check verifies
+    what the strategy relies on (``check_conformance``: see :func:`open_store`).
     """
 
     def __init__(
@@ -254,7 +259,10 @@ class Store:
         lease_ttl: float = DEFAULT_LEASE_TTL,
         grace: float = DEFAULT_GRACE,
         clock: Callable[[], float] | None = None,
+        check_conformance: bool = True,
     ) -> None:
+        if not isinstance(check_conformance, bool):
+            raise InvalidArgumentError("check_conformance must be a bool")
         if clock is not None and not callable(clock):
             raise InvalidArgumentError("clock must be a callable returning Unix seconds")
         if not (isinstance(lease_ttl, int | float) and not isinstance(lease_ttl, bool)
@@ -279,6 +287,25 @@ class Store:
                 raise InvalidArgumentError(f"clock() failed: {exc!r}") from None
             if not ok:
                 raise InvalidArgumentError(f"clock must return Unix seconds as a number, not {now!r}")
+        if not check_conformance and conformance.needs_check(driver):
+            conformance.skip(driver)  # (a warning, once per endpoint and bucket)
+
+    def conformance(self) -> ConformanceReport:
+        """The conformance report of this store's endpoint and bucket: the result of this
+        process's check if one ran (the first commit runs it), else the check is run now
+        (and cached). Rename backends and drivers without atomic create need no request.
+        See ``docs/conformance.md``."""
+        found = conformance.cached(self.driver)
+        if found is not None:
+            return found
+        if not conformance.needs_check(self.driver):
+            return conformance.check(self.driver)
+        try:
+            report = conformance.ensure(self.driver)
+        except ConformanceError as exc:
+            assert isinstance(exc.report, ConformanceReport)
+            return exc.report
+        return report if report is not None else conformance.check(self.driver)
 
     @property
     def url(self) -> str:
@@ -315,6 +342,9 @@ class Store:
         commit it atomically: see :class:`~atomicstore.commit.onefile.OneFileCommit`."""
         validate_name(name)
         validate_writable(name, what="checkpoint name")
+        # its commit point completes an upload: refused where the store ignores the
+        # precondition of a completion (the conformance check, once per endpoint)
+        conformance.ensure(self.driver, conformance.ONE_FILE)
         # A directory-layout checkpoint of that name is refused (the layouts cannot be
         # swapped atomically): checked alongside the commit's own first requests.
         native = self.driver.background(lambda: self.strategy.has_checkpoint(name))
@@ -563,6 +593,7 @@ def open_store(
     lease_ttl: float = DEFAULT_LEASE_TTL,
     grace: float = DEFAULT_GRACE,
     clock: Callable[[], float] | None = None,
+    check_conformance: bool = True,
     **storage_options: Any,
 ) -> Store:
     """Open the store at a local path or URL (``s3://bucket/prefix``, ``gs://…``,
@@ -585,6 +616,16 @@ def open_store(
         grace: extra seconds recovery waits before it treats unleased data as stale.
         clock: where leases and recovery read the time (Unix seconds; default
             ``time.time``), e.g. a simulated clock in tests.
+        check_conformance: before the first commit on an object store's endpoint and
+            bucket (once per process), verify with ten small requests below
+            ``.atomicstore/conformance/`` that the store enforces what the commit relies
+            on: conditional create (one winner of a race), conditional overwrite, delete
+            and upload completion, read-after-write. A store that fails gets
+            :class:`~atomicstore.ConformanceError` naming the guarantee and the endpoint
+            at its first commit (one-file commits only, where only the completion
+            fails), never a silent double commit. Opening and reading never run it.
+            ``False`` skips it with a logged warning, for a store you know conforms
+            (``docs/conformance.md``).
         **storage_options: passed to the fsspec filesystem unchanged (endpoint,
             credentials, anon...). Credentials never appear in logs or errors.
     """
@@ -602,7 +643,8 @@ def open_store(
     except BaseException:
         driver.close()
         raise
-    return Store(driver, writer_id=writer_id, lease_ttl=lease_ttl, grace=grace, clock=clock)
+    return Store(driver, writer_id=writer_id, lease_ttl=lease_ttl, grace=grace, clock=clock,
+                 check_conformance=check_conformance)
 
 
 def _refuse_reserved_root(url_or_path: Any) -> None:
