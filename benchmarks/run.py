@@ -9,6 +9,7 @@ during the operation minus RSS before it). Prints a Markdown table with ratios.
     nox -s bench -- --only multihost --mp-sizes 1024 --mp-procs 1,2
     nox -s bench -- --only integrations            # torch DCP and Orbax: stock storage vs atomicstore
     nox -s bench -- --only cloud --cloud-sizes 256,1024   # S3/GCS clients through a shaped link
+    nox -s bench -- --only cluster --quick         # a SeaweedFS cluster losing a volume server (256 MiB)
 """
 
 from __future__ import annotations
@@ -449,10 +450,12 @@ def main() -> None:
     ap.add_argument("--leaf", type=int, default=ARRAY_BYTES)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="256 MiB instead of 1 GiB, no 4 GiB case")
-    ap.add_argument("--only", choices=["all", "single", "multihost", "integrations", "cloud"], default="all",
+    ap.add_argument("--only", choices=["all", "single", "multihost", "integrations", "cloud", "cluster"],
+                    default="all",
                     help="single: the one-process cases against the anchors; multihost: the multi-process table; "
                          "integrations: torch DCP and Orbax, stock storage against atomicstore's; "
-                         "cloud: S3/GCS clients on a shaped link (benchmarks/cloud.py)")
+                         "cloud: S3/GCS clients on a shaped link (benchmarks/cloud.py); cluster: a SeaweedFS "
+                         "cluster losing a volume server mid-save and mid-restore (benchmarks/cluster.py)")
     ap.add_argument("--cloud-sizes", default="256", help="cloud link table: total MiB per case, comma-separated "
                     "(256: ~12 min per run of every case, 1024: ~40 min)")
     ap.add_argument("--cloud-repeat", type=int, default=1, help="runs per cloud case")
@@ -472,6 +475,11 @@ def main() -> None:
         import cloud  # benchmarks/cloud.py: the link shaper in front of the S3 and GCS fakes
 
         cloud.cloud_table([int(float(x) * MiB) for x in args.cloud_sizes.split(",")], args.cloud_repeat)
+    if args.only in ("all", "cluster"):
+        import cluster  # benchmarks/cluster.py: 1 master, 3 volume servers, a filer, the S3 gateway
+
+        if any(str(r["outcome"]).startswith("VIOLATION") for r in cluster.cluster_table(total)):
+            raise SystemExit("cluster: the contract was broken (see the table)")
     if args.only in ("all", "integrations"):
         table([(title, size, ARRAY_BYTES, op, libs) for title, size, op, libs in integrations.groups(total)],
               args.repeat, "the stock storage of the same library")
