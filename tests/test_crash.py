@@ -30,6 +30,9 @@ import atomicstore
 from atomicstore.commit.strategies import STAGING, TRASH
 from atomicstore.drivers.local import LOCK_KEY
 
+# exhaustive or multi-process: run in full once, on the oldest Python (noxfile `tests`)
+pytestmark = pytest.mark.slow
+
 FUTURE = time.time() + 10**7  # recovery runs long after the crash: every lease is dead
 State = dict[str, dict[str, bytes]]
 

@@ -92,6 +92,9 @@ from atomicstore import (
 )
 from atomicstore.cli import main as cli_main
 
+# exhaustive or multi-process: run in full once, on the oldest Python (noxfile `tests`)
+pytestmark = pytest.mark.slow
+
 # -- the budget: (max_examples, stateful_step_count) per backend -----------------------------
 BUDGET = {
     "memory": (150, 40),

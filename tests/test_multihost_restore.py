@@ -26,6 +26,9 @@ from test_multihost import Job, finish, one, start, steps, where
 import atomicstore
 from atomicstore.testing.faults import FaultPlan, is_mutation
 
+# exhaustive or multi-process: run in full once, on the oldest Python (noxfile `tests`)
+pytestmark = pytest.mark.slow
+
 
 def wait_files(job: Job, *paths: Path, timeout: float = 120) -> None:
     """Until every path exists (the job's processes touched them); fail early if a

@@ -30,11 +30,14 @@ class TrainState:
     tag: str = flax.struct.field(pytree_node=False, default="static")
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Plain:
     a: np.ndarray
     b: list
+
+
+# the fields named: jax < 0.4.36 cannot infer them (register_dataclass as a bare decorator)
+jax.tree_util.register_dataclass(Plain, data_fields=["a", "b"], meta_fields=[])
 
 
 def sample_tree(seed: int = 0) -> dict:
@@ -148,6 +151,7 @@ def test_we_read_flax_legacy_checkpoints(tmp_path):
     assert set(part) == {"kernel", "bias"}
 
 
+@pytest.mark.slow
 def test_flax_chunked_arrays_over_one_gib(tmp_path):
     """flax splits arrays over 1 GiB into chunks; both directions must agree."""
     big = np.arange(2**30 + 4096, dtype=np.uint8)
