@@ -4,9 +4,15 @@ wheel, checked, installed and smoke-tested)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import nox
 
@@ -17,9 +23,6 @@ nox.options.reuse_existing_virtualenvs = True
 # release with several GB of CUDA packages); installed before the package so pip keeps it.
 TORCH = "torch==2.13.0"
 
-
-# The exhaustive harnesses: run in full on PYTHONS[0] only (see `tests`).
-HARNESSES = ["tests/test_interleavings.py", "tests/test_crash.py"]
 
 # The Pythons the package supports (pyproject's requires-python and classifiers say the same).
 PYTHONS = ["3.11", "3.12", "3.13"]
@@ -53,14 +56,16 @@ def tests(session: nox.Session) -> None:
     # for minutes (gcsfs reads its HNS switch at first import; conftest.py now sets it
     # first). The split stays as a guard.
     if not session.posargs:
-        # The exhaustive harnesses (every interleaving of the actors, every crash state)
-        # explore the protocol's logic, which does not change with the Python version:
-        # they run in full once, on the oldest Python, and the other Pythons run the rest
-        # (CI's time budget: .ci/run runs 3.11 and 3.13).
-        harnesses = [] if session.python == PYTHONS[0] else [f"--ignore={h}" for h in HARNESSES]
-        session.run("pytest", "-q", "tests/test_integration_orbax.py")
+        # The slow tests (every interleaving of the actors, every crash state, the API
+        # model, real multi-process jobs: `pytest -m slow`) and the runs on SeaweedFS
+        # (`-m seaweed`: the same protocol against a real server) check the protocol's
+        # logic and the server's behaviour, which do not change with the Python version:
+        # they run once, on the oldest Python; the other Pythons run everything else (CI's
+        # time budget: .ci/run runs 3.11 and 3.13).
+        select = [] if session.python == PYTHONS[0] else ["-m", "not slow and not seaweed"]
+        session.run("pytest", "-q", *select, "tests/test_integration_orbax.py")
         session.run("pytest", "-q", "--durations=25", "--ignore=tests/test_integration_orbax.py",
-                    *harnesses)
+                    *select)
     else:
         session.run("pytest", "-q", *session.posargs)
 
@@ -183,3 +188,135 @@ def tests_torch_newest(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     session.run("python", "-c", "import torch; assert torch.__version__.startswith('2.14.1'), torch.__version__")
     session.run("pytest", "-q", "tests/test_integration_torch.py", "tests/test_torch_contract.py", *session.posargs)
+
+
+# The dependency matrix (docs/dependencies.md): the parts of the suite whose outcome depends
+# on a dependency's version, run against the lowest versions pyproject.toml declares (on
+# the oldest supported Python) and against the newest releases (on the newest one).
+MATRIX_TESTS = {
+    # torch DCP through the integration, 2 gloo ranks
+    "torch": ["tests/test_integration_torch.py"],
+    # the integration's contract in one process; needs DCP's stream extensions (torch>=2.7)
+    "torch_contract": ["tests/test_torch_contract.py"],
+    "flax": ["tests/test_compat_flax.py", "tests/test_compat_fjformer.py"],
+    # real 2-process jax jobs (marked slow; named here, so they run)
+    "multihost": ["tests/test_multihost.py"],
+    # round trips of every dtype (bfloat16, float8, ...), jax targets, sharded arrays
+    "pytree": ["tests/test_pytree.py", "tests/test_pytree_entry_points.py", "tests/test_pytree_hostile.py",
+               "tests/test_pytree_jax_targets.py", "tests/test_sharded_format.py"],
+    # the drivers' protocol over fsspec/s3fs/gcsfs/botocore against the servers (-k below),
+    # and in a forked child (fsspec < 2025.3.1 keeps its parent's event loop there)
+    "drivers": ["tests/test_protocol.py", "tests/test_drivers.py", "tests/test_parallel_io.py",
+                "tests/test_fork_drivers.py"],
+    # Orbax in a process of its own (see `tests`)
+    "orbax": ["tests/test_integration_orbax.py"],
+}
+# Left out of every cell (measured with --durations: half the tests' time, and nothing in
+# them varies with a dependency): the crash-state enumeration of the one-file commit (a
+# simulated POSIX/store model; the suite runs it in full) and the SeaweedFS cases (another
+# S3 server, not another client: moto's cases cover s3fs/botocore).
+_MATRIX_K = "not every_crash_point and not seaweed"
+_DRIVERS_K = "s3 or gcs"
+
+
+class Cell(NamedTuple):
+    """One cell of the matrix: what it installs and which MATRIX_TESTS groups it runs."""
+
+    python: str
+    extras: str  # the user extras installed besides the runtime dependencies
+    lowest: bool  # every declared lower bound pinned (else the newest releases)
+    groups: tuple[str, ...]
+    # pinned too, from the test extra: flax (the compat modules' library) and boto3 (pip
+    # backtracks through hundreds of boto3 releases to find the one of a pinned botocore)
+    also: tuple[str, ...] = ("flax", "boto3")
+    # pins above a declared lower bound that another lower bound of the cell forces
+    raised: tuple[str, ...] = ()
+
+
+MATRIX = {
+    # orbax-checkpoint's only supported release (0.12.8) needs jax>=0.6.0, so jax 0.4.30
+    # and Orbax cannot be installed together: `lowest` has no orbax extra (flax 0.10.0
+    # brings its own old Orbax, which only flax uses) and `lowest-orbax` tests the orbax
+    # extra at its lower bound with the jax it forces.
+    "lowest": Cell(PYTHONS[0], "s3,gcs,jax,torch", True, ("torch", "flax", "multihost", "pytree", "drivers")),
+    "lowest-orbax": Cell(
+        PYTHONS[0], "s3,gcs,jax,orbax", True, ("orbax",), also=("boto3",),
+        # orbax-checkpoint 0.12.8 requires jax>=0.6.0, and jax 0.6.0 ml_dtypes>=0.5.0
+        raised=("jax==0.6.0", "ml_dtypes==0.5.0")),
+    "newest": Cell(PYTHONS[-1], "s3,gcs,jax,torch,orbax", False, tuple(MATRIX_TESTS)),
+}
+#: what the summary row names (pip freeze of the cell gives the rest)
+_MATRIX_SHOWN = ["torch", "jax", "jaxlib", "flax", "orbax-checkpoint", "numpy", "ml-dtypes", "fsspec",
+                 "s3fs", "gcsfs", "botocore", "aiobotocore", "msgpack", "tenacity", "google-crc32c"]
+
+
+def _lowest_constraints() -> Any:
+    """tools/lowest_constraints.py, imported (standard library only)."""
+    spec = importlib.util.spec_from_file_location(
+        "lowest_constraints", Path(__file__).resolve().parent / "tools" / "lowest_constraints.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@nox.session
+@nox.parametrize(("python", "cell"), [(c.python, name) for name, c in MATRIX.items()], ids=list(MATRIX))
+def matrix(session: nox.Session, cell: str) -> None:
+    """One cell of the dependency matrix (docs/dependencies.md): install the lowest declared
+    versions (``lowest``, ``lowest-orbax``) or the newest releases (``newest``), check what
+    got installed, run the cell's tests and print its row of the table. Extra arguments go
+    to every pytest run (e.g. ``-x``)."""
+    import xml.etree.ElementTree as ET
+
+    from packaging.version import Version
+
+    c = MATRIX[cell]
+    lc = _lowest_constraints()
+    tmp = Path(session.create_tmp()).resolve()
+    started = time.monotonic()
+    packages = ["-e", f".[{c.extras}]", *c.also, *lc.tool_requirements()]
+    if c.lowest:
+        pins = lc.lowest(c.extras.split(","), list(c.also), list(c.raised))
+        constraints = tmp / "lowest-constraints.txt"
+        constraints.write_text("".join(f"{k}=={v}\n" for k, v in sorted(pins.items())))
+        session.install("-c", str(constraints), *packages)
+    else:
+        pins = {}
+        session.install("--upgrade", "--upgrade-strategy", "eager", *packages)
+    freeze_text = session.run("python", "-m", "pip", "freeze", "--all", silent=True) or ""
+    (tmp / "freeze.txt").write_text(freeze_text)
+    freeze = {}
+    for line in freeze_text.splitlines():
+        name, sep, version = line.partition("==")
+        if sep:
+            freeze[re.sub(r"[-_.]+", "-", name).lower()] = version.split("+")[0]
+    wrong = {k: (v, freeze.get(k)) for k, v in pins.items()
+             if k not in freeze or Version(freeze[k]) != Version(v)}
+    if wrong:
+        session.error(f"installed versions differ from the pins (pin, installed): {wrong}")
+    installed = time.monotonic() - started
+
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed = []
+    for group in c.groups:  # every group runs, whatever an earlier one gave
+        report = tmp / f"junit-{group}.xml"
+        report.unlink(missing_ok=True)
+        args = ["-p", "no:cacheprovider", "--durations=10", f"--junitxml={report}", *MATRIX_TESTS[group]]
+        args += ["-k", f"({_DRIVERS_K}) and {_MATRIX_K}" if group == "drivers" else _MATRIX_K]
+        try:
+            session.run("pytest", "-q", *args, *session.posargs)
+        except nox.command.CommandFailed:
+            failed.append(group)
+        if report.exists():
+            for suite in ET.parse(report).getroot().iter("testsuite"):
+                for key in counts:
+                    counts[key] += int(suite.get(key, 0))
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    tests_time = time.monotonic() - started - installed
+    versions = ", ".join(f"{k} {freeze[k]}" for k in _MATRIX_SHOWN if k in freeze)
+    session.log(f"matrix row: | {cell} | {session.python} | {versions} | {', '.join(c.groups)} | "
+                f"{passed}/{counts['tests']} | install {installed:.0f} s + tests {tests_time:.0f} s |")
+    if failed:
+        session.error(f"matrix({cell}): failures in {', '.join(failed)} (pip freeze: {tmp / 'freeze.txt'})")

@@ -494,6 +494,7 @@ def test_restore_buffers_are_aligned_so_a_cpu_device_aliases_them():
     import jax
 
     from atomicstore.pytree.format import aligned_empty
+    from atomicstore.pytree.tree import device_put_owned
 
     for shape in [(1000, 300), (3,), (), (0, 5), (1 << 20,)]:
         a = aligned_empty(shape, np.float32)
@@ -501,7 +502,7 @@ def test_restore_buffers_are_aligned_so_a_cpu_device_aliases_them():
         assert a.ctypes.data % 64 == 0 or not a.size
     a = aligned_empty((1 << 20,), np.float32)
     a[:] = 1.0
-    x = jax.device_put(a, jax.devices()[0], may_alias=True)
+    x = device_put_owned(a, jax.devices()[0])  # the reader's: may_alias=True where jax has it
     assert x.unsafe_buffer_pointer() == a.ctypes.data  # aliased, not copied
     b = np.empty((1 << 20) + 4, np.float32)[1:]  # a misaligned buffer is copied
-    assert b.ctypes.data % 64 and jax.device_put(b, jax.devices()[0], may_alias=True).unsafe_buffer_pointer() != b.ctypes.data
+    assert b.ctypes.data % 64 and device_put_owned(b, jax.devices()[0]).unsafe_buffer_pointer() != b.ctypes.data

@@ -66,7 +66,10 @@ def state(val: float, mesh, layout: str) -> dict:
     s = full(val)
     if mesh is None:
         return s
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    try:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    except ImportError:  # torch 2.4: DTensor is only in its private module
+        from torch.distributed._tensor import Replicate, Shard, distribute_tensor
 
     dim = 0 if layout == "rows" else 1
     s["model"]["w"] = distribute_tensor(s["model"]["w"], mesh, [Shard(dim)])
@@ -84,7 +87,10 @@ def wide(val: float, mesh, layout: str) -> dict:
     s = {"step": int(val), "w": w, "b": torch.full((512,), val)}
     if mesh is None:
         return s
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    try:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    except ImportError:  # torch 2.4: DTensor is only in its private module
+        from torch.distributed._tensor import Replicate, Shard, distribute_tensor
 
     s["w"] = distribute_tensor(w, mesh, [Shard(0 if layout == "rows" else 1)])
     s["b"] = distribute_tensor(s["b"], mesh, [Replicate()])
