@@ -585,6 +585,11 @@ def _keep_unclosed(obj: Any) -> None:
 
 
 def _drivers_after_fork() -> None:
+    asyn = sys.modules.get("fsspec.asyn")
+    if asyn is not None and not hasattr(asyn, "reset_after_fork"):
+        # fsspec < 2025.3.1 does not reset its IO loop in a forked child: a filesystem made
+        # there would run on the parent's loop, whose thread does not exist here (hangs)
+        asyn.reset_lock()
     for driver in list(_LIVE_DRIVERS):
         driver._after_fork()
 

@@ -441,9 +441,16 @@ class S3Driver(AsyncFsspecDriver):
         resp = await self.s3call("get_object", Bucket=bucket, Key=obj,
                                  Range=f"bytes={start}-{start + out.nbytes - 1}", **cond)
         pos = 0
-        async with resp["Body"] as body:
+        stream = resp["Body"]
+        async with stream as body:
+            readinto = getattr(body, "readinto", None)  # aiobotocore >= 2.23
             while pos < out.nbytes:
-                n = await body.readinto(out[pos:])
+                if readinto is not None:
+                    n = await readinto(out[pos:])
+                else:  # an older aiobotocore (its body is aiohttp's response): read, then copy
+                    chunk = await stream.read(out.nbytes - pos)
+                    n = len(chunk)
+                    out[pos:pos + n] = chunk
                 if not n:
                     break
                 pos += n
