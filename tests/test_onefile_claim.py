@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 from conftest import Backend, make_backend
+from test_concurrency import in_thread, outcome
 
 import atomicstore
 from atomicstore.testing.faults import (
@@ -48,22 +49,6 @@ ROUNDS = 20
 
 
 # -- helpers -------------------------------------------------------------------------------
-def outcome(fn: Callable[[], Any]) -> str:
-    """"committed", or the name and message of the exception ``fn`` raised."""
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the outcome is compared by the caller
-        return f"{type(exc).__name__}: {exc}"
-    return "committed"
-
-
-def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[str]]:
-    out: list[str] = []
-    t = threading.Thread(target=lambda: out.append(outcome(fn)), daemon=True)
-    t.start()
-    return t, out
-
-
 def payload(tag: int, size: int = PART + 1024) -> bytes:
     """``size`` bytes that differ per ``tag`` (each writer's object is recognisable, and
     no two have one ETag)."""
