@@ -316,11 +316,14 @@ class ObjectModelDriver(Driver):
         directories=False,
         multipart_uploads=True,
         # a completion is one conditional put under the backend's lock (AWS S3 as
-        # documented), so one-file commits take no claim here: a claim's wait for a live
-        # holder is a polling loop, an unbounded branch for the exhaustive search. The
-        # claim S3 needs on stores that let racing completions win (SeaweedFS) is tested
-        # against SeaweedFS itself (tests/test_onefile_claim.py)
+        # documented), and no scenario commits two layouts of one name, so commits take
+        # no claim here: a claim's wait for a live holder is a polling loop, an unbounded
+        # branch for the exhaustive search (tried in issue 22: one scenario went from 303
+        # schedules to more than two minutes without an end). The claims are tested on the
+        # real servers, each actor put between two requests by a held request
+        # (tests/test_onefile_claim.py, tests/test_layout_collision.py)
         exclusive_completion=True,
+        exclusive_names=True,
     )
 
     def __init__(self, backend: ModelBackend, url: str = "objmodel://sched") -> None:

@@ -187,6 +187,40 @@ def test_helpers_match_flax():
 
 
 # -- safety flax lacks --------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["local", "s3", "seaweed", "gcs"])
+def test_a_native_save_in_flight_is_no_flax_step(kind, request, tmp_path):
+    """A directory-layout save of checkpoint_5 that has written its data but not committed
+    (or was killed before recovery ran) leaves a prefix checkpoint_5/ on an object store:
+    that is no step (attacker finding G1). Before the fix flax's latest_checkpoint named
+    it, a save of an older step was refused as outdated, and a save of step 5 with
+    overwrite=True was told it committed and then deleted its own file as a "newer"
+    duplicate."""
+    b = make_backend(kind, request, tmp_path)
+    st = b.open()
+    o = b.options
+    txn = st.transaction("checkpoint_5")
+    txn.write_bytes("state.bin", b"native, in flight")
+    assert ck.latest_checkpoint(b.url, storage_options=o) is None
+    assert ck.available_steps(b.url, storage_options=o) == []
+    ck.save_checkpoint(b.url, {"v": 3}, 3, storage_options=o)  # not "outdated"
+    assert ck.latest_checkpoint(b.url, storage_options=o) == f"{b.url}/checkpoint_3"
+    if kind == "seaweed":
+        # its keys are a filesystem's: checkpoint_5 cannot be created while checkpoint_5/…
+        # exists, so the flax save of step 5 loses at once, and nothing of it is left
+        with pytest.raises(atomicstore.AlreadyExistsError):
+            ck.save_checkpoint(b.url, {"v": 5}, 5, overwrite=True, storage_options=o)
+        assert ck.available_steps(b.url, storage_options=o) == [3]
+        txn.abort()  # (its lease would be renewed for the rest of the session)
+        return
+    path = ck.save_checkpoint(b.url, {"v": 5}, 5, overwrite=True, keep=10, storage_options=o)
+    assert path == f"{b.url}/checkpoint_5"
+    assert ck.available_steps(b.url, storage_options=o) == [3, 5]
+    assert ck.restore_checkpoint(b.url, None, storage_options=o) == {"v": 5}, "the committed save was deleted"
+    with pytest.raises(atomicstore.AlreadyExistsError):
+        txn.commit()  # the native save of the same name never commits beside it
+    assert ck.restore_checkpoint(b.url, None, storage_options=o) == {"v": 5}
+
+
 @pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
 def test_two_writers_of_one_step_cannot_both_commit(kind, request, tmp_path):
     b = make_backend(kind, request, tmp_path)

@@ -236,7 +236,9 @@ def test_a_live_holders_claim_is_never_taken_over(s3_backend: Backend) -> None:
     meanwhile; then A's completion goes through. A commits, B loses with
     CommitConflictError, and the claim was never written by anyone but its holder."""
     name = "checkpoint_5"
-    ttl, grace = 1.5, 1.5
+    # (A's renewals, every ttl / 3, may each be late by up to ttl + grace - ttl / 3 before
+    # A looks dead: 4.3 s, room for a loaded machine; 1.5 + 1.5 once failed at load 8)
+    ttl, grace = 2.0, 3.0
     a_store = s3_backend.open(block_size=PART, lease_ttl=ttl)
     b_store = s3_backend.open(block_size=PART, lease_ttl=ttl, grace=grace)
     a_done = Held(completes(name))

@@ -139,7 +139,8 @@ def test_manager_save_with_1000_kept_costs_a_bounded_number_of_requests(big):
         assert len(meta) <= 20, log.describe()
         assert sum(1 for r in log if is_data(r)) == 2  # state.msgpack and index.msgpack
         assert sum(1 for r in meta if r.kind == "list") <= 6  # two listings of ~2,000 entries
-        assert sum(1 for r in meta if r.kind in ("get", "head")) <= 6  # not one per kept step
+        # not one per kept step (7: one is the HEAD of <name> under the name's claim)
+        assert sum(1 for r in meta if r.kind in ("get", "head")) <= 7
     assert mgr.all_steps() == list(range(1, KEPT + 4))
     assert mgr.restore()["step"] == KEPT + 3
     assert mgr.restore(500)["step"] == 0  # a populated step (its state is step 0's)
@@ -206,10 +207,15 @@ def test_small_save_round_trips(object_backend):
     data = [r for r in log if is_data(r)]
     assert len(data) == 2
     # HEAD of the marker with the lease PUT, manifest PUT, lease check, marker PUT,
-    # manifest check, lease DELETE: 6 round trips that wait on each other, plus the data
+    # manifest check, lease DELETE: 6 round trips that wait on each other, plus the data;
+    # the name's claim (PUT with the manifest's, HEAD of <name> with the lease check,
+    # DELETE with the manifest check) adds no round trip
     assert log.depth(lambda r: not is_data(r)) <= 6, log.describe()
     assert log.depth() <= 6 + len(data), log.describe()
-    assert len(log) == 10, log.describe()  # (+1: HEAD of the object <name>, sent with the marker's)
+    # (+1: HEAD of the object <name>, sent with the marker's; +3: the claim)
+    assert len(log) == 13, log.describe()
+    claim = [r.kind for r in log if "/.atomicstore/claims/" in (r.key or "")]
+    assert claim == ["put", "delete"], log.describe()
     # the conflict check and the lease overlap; no data object exists before the lease
     lease = next(r for r in log if r.kind == "put" and "/.atomicstore/leases/" in (r.key or ""))
     head = next(r for r in log if r.kind == "head" and (r.key or "").endswith("small/commit_success.txt"))

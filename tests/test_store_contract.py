@@ -108,11 +108,17 @@ def test_write_file_refuses_checkpoint_and_reserved_paths(backend: Backend) -> N
                  "manifest.json", "commit_success.txt", "attempt-1/x", "logs/.atomicstore/x"]:
         with pytest.raises(InvalidArgumentError):
             st.write_file(path, b"x", overwrite=True)
+    # a file under a committed checkpoint's own name: on object stores the object step_1
+    # would sit beside step_1/commit_success.txt (attacker finding G4); on local disk a
+    # file cannot replace the directory
+    with pytest.raises(atomicstore.AtomicStoreError):
+        st.write_file("step_1", b"x", overwrite=True)
     st.write_file("notes.txt", b"ok")  # the root and plain directories stay writable
     st.write_file("logs/run.txt", b"ok")
     assert st.read_file("logs/run.txt") == b"ok"
     assert st.list() == ["step_1"]
     assert st.verify("step_1").files.keys() == {"state.bin"}
+    assert not st.driver.exists("step_1") or st.driver.capabilities.atomic_rename, "a file beside step_1/"
 
 
 def test_name_taking_writers_refuse_reserved_names(backend: Backend) -> None:

@@ -236,11 +236,12 @@ def _rows(driver: Driver) -> list[Guarantee]:
     if driver.capabilities.exclusive_completion:
         racing = Guarantee(_RACING_COMPLETIONS, meaning, NOT_CHECKED,
                            "declared by the driver; a race of a few requests cannot prove it",
-                           "trusted (the backend documents it): a one-file commit point", (ONE_FILE,))
+                           "trusted (the backend documents it); a commit request is made under the "
+                           "name's claim all the same (it also keeps the two layouts apart)", (ONE_FILE,))
     else:
         racing = Guarantee(_RACING_COMPLETIONS, meaning, NOT_RELIED,
                            "not declared by the driver (SeaweedFS 4.48 lets racing completions both win)",
-                           "a one-file commit takes a claim (a conditional create) before it completes its upload")
+                           "every commit request of a name is made under its claim (a conditional create)")
     order = Guarantee(_ORDER, "a listing's pages come in key order", NOT_RELIED, "not checked",
                       "atomicstore sorts every listing itself; no decision depends on a page's order")
     return [racing, order]

@@ -183,6 +183,21 @@ class Lease:
                 name=self.name,
             )
 
+    def check_clock(self) -> None:
+        """:meth:`check` without a request, right before a commit request: raise
+        :class:`LeaseLostError` if a renewal failed or the lease expired by this writer's
+        clock (it was paused past its ttl since its last renewal: a SIGSTOP between the
+        lease check and the commit request; others may have declared it dead)."""
+        with self._lock:
+            why = (f"renewal failed: {self.error}" if self.error is not None
+                   else "it expired (the writer was paused)" if self.clock() >= self.expires else None)
+        if why:
+            raise LeaseLostError(
+                f"refusing to commit {self.driver.describe(self.name)}: the lease of attempt "
+                f"{self.attempt} is lost ({why})",
+                name=self.name,
+            )
+
     def stop(self) -> None:
         """Stop renewing (the lease object stays until it expires)."""
         self._stop.set()

@@ -15,16 +15,14 @@ appearing under its name is the commit point:
   same generation (``If-Match: <etag>``, ``ifGenerationMatch=<generation>``). So of two
   writers exactly one commits. An interrupted upload is invisible; recovery aborts it on
   S3 once no live lease of ``<name>`` remains, GCS expires it.
-* where racing conditional completions of one key are not known to be exclusive
-  (``Capabilities.exclusive_completion`` false, i.e. S3: SeaweedFS lets several racing
-  completions win), the commit request is made under a claim: right before it, the
-  writer creates ``.atomicstore/claims/<name>.json`` with one conditional PUT (exclusive
-  on every store measured) and deletes it, at the generation it wrote, once the request
-  answered. A writer that finds the claim held waits while the holder's lease is alive;
-  once that lease is dead or gone it removes the lease (at the generation read: a holder
-  that was only paused then fails its lease check) and takes the claim over (a PUT
-  conditional on the claim's generation: one successor wins). The commit request stays
-  conditional: the claim only keeps two of them from racing.
+* on object stores the commit request is made under the name's claim
+  (``commit/claim.py``): under it the writer checks that the name holds no
+  directory-layout checkpoint (whose commit point is another key, the marker, which a
+  native save of the same name writes under the same claim) and that the object is still
+  at the generation the save began with, then completes. So a one-file and a native save
+  of one name never both commit, and racing completions of one key never both win even
+  where a store lets racing conditional completions all succeed (SeaweedFS) or ignores
+  ``If-Match`` at completion (moto).
 
 ``docs/commit-protocol.md`` ("One-file checkpoints") walks each step.
 """
@@ -32,31 +30,33 @@ appearing under its name is the commit point:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
 import posixpath
-import time
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from ..drivers.base import BufferedPartWriter, Driver, FileInfo
+from ..drivers.base import BufferedPartWriter
 from ..errors import (
     AlreadyExistsError,
     CommitConflictError,
-    CorruptionError,
     InvalidArgumentError,
     LeaseLostError,
     NotFoundError,
-    PreconditionFailedError,
-    StorageTimeoutError,
     TransactionError,
 )
 from . import conformance
-from .lease import Lease, lease_key, read_lease_ttl
-from .names import ATTEMPT_ID, RESERVED_DIR, validate_name
+from .claim import (
+    CLAIMS,
+    ClaimHolder,
+    NameClaim,
+    claim_key,
+    claims_needed,
+    parse_claim_key,
+    read_claim,
+)
+from .lease import Lease
+from .names import validate_name
 from .strategies import STAGING, new_attempt_id
 from .transaction import require_owner
 
@@ -64,191 +64,6 @@ if TYPE_CHECKING:
     from .store import Store
 
 log = logging.getLogger("atomicstore.commit")
-
-#: where a one-file commit holds its claim while its commit request is in flight, on
-#: backends whose conditional upload completions are not known to be exclusive
-CLAIMS = f"{RESERVED_DIR}/claims"
-#: a claim is a small JSON document: anything longer is not one of atomicstore's
-MAX_CLAIM_BYTES = 4096
-#: first and longest pause between two looks at a claim held by a live writer (seconds)
-CLAIM_POLL = (0.02, 0.5)
-
-
-def claim_key(name: str) -> str:
-    """The key of the claim of the one-file checkpoint ``name``."""
-    return f"{CLAIMS}/{name}.json"
-
-
-def parse_claim_key(key: str) -> str | None:
-    """The checkpoint name of a claim key, or None if ``key`` is not one."""
-    if not key.startswith(CLAIMS + "/") or not key.endswith(".json"):
-        return None
-    name = key[len(CLAIMS) + 1 : -len(".json")]
-    try:
-        return validate_name(name)
-    except InvalidArgumentError:
-        return None
-
-
-@dataclass(frozen=True)
-class ClaimHolder:
-    """What a claim says about the writer holding it (read from storage, validated:
-    ``attempt`` is None when the claim is not a readable claim of atomicstore's)."""
-
-    attempt: str | None
-    writer: str = ""
-    ttl: float | None = None
-
-
-def read_claim(driver: Driver, key: str, generation: str | None) -> ClaimHolder:
-    """The holder named by the claim ``key`` at ``generation`` (hostile input: a malformed
-    claim names no attempt). :class:`NotFoundError` if it is gone,
-    :class:`PreconditionFailedError` if it changed."""
-    raw = driver.read_if(key, generation) if generation else driver.read(key, 0, MAX_CLAIM_BYTES + 1)
-    try:
-        if len(raw) > MAX_CLAIM_BYTES:
-            raise ValueError(f"{len(raw)} bytes")
-        doc = json.loads(raw.decode())
-        attempt, writer, ttl = doc["attempt"], doc.get("writer", ""), doc.get("ttl")
-        if not (isinstance(attempt, str) and ATTEMPT_ID.fullmatch(attempt) and isinstance(writer, str)):
-            raise ValueError("no attempt id")
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float)
-                                or not 0 < ttl < 7 * 86400):
-            ttl = None
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as exc:
-        log.warning("%s is not a claim of atomicstore's (%s)", driver.describe(key), exc)
-        return ClaimHolder(None)
-    return ClaimHolder(attempt, writer[:200], None if ttl is None else float(ttl))
-
-
-class _Claim:
-    """The claim of one one-file commit: taken right before its commit request, released
-    right after it answered (see the module docstring)."""
-
-    def __init__(self, commit: OneFileCommit) -> None:
-        store = commit.store
-        self.commit = commit
-        self.driver = store.driver
-        self.key = claim_key(commit.name)
-        self.doc = json.dumps({"name": commit.name, "attempt": commit.attempt, "writer": store.writer_id,
-                               "expected": commit.expected, "ttl": store.lease_ttl}).encode()
-        self.held = False
-        self.generation: str | None = None
-        #: lease key -> its ttl (a lease's ttl never changes)
-        self._ttls: dict[str, float] = {}
-        #: claim generation -> its holder (a generation never comes back with other bytes)
-        self._holders: dict[str, ClaimHolder] = {}
-
-    def _holder_lease(self, holder: ClaimHolder) -> tuple[bool, float, FileInfo | None]:
-        """(alive, ttl, info) of the holder's lease, read now: alive while it was renewed
-        less than its ttl + grace ago (by the storage's clock, as recovery judges it);
-        info None if it is gone."""
-        store, d = self.commit.store, self.driver
-        if holder.attempt is None:
-            return False, store.lease_ttl, None
-        key = lease_key(self.commit.name, holder.attempt)
-        try:
-            info = d.info(key)
-            if key not in self._ttls:
-                try:
-                    self._ttls[key] = read_lease_ttl(d, key)
-                except CorruptionError:
-                    self._ttls[key] = 0.0
-        except NotFoundError:
-            return False, store.lease_ttl, None
-        ttl, now = self._ttls[key], store.clock()
-        mtime = info.mtime if info.mtime is not None else now
-        return mtime + ttl + store.grace > now, ttl, info
-
-    def _fence(self, lease: FileInfo | None) -> bool:
-        """Remove a dead holder's lease at the generation read (as recovery fences one),
-        so that a holder that was only paused fails its lease check; False if it was
-        renewed meanwhile (then it is alive)."""
-        if lease is None:
-            return True
-        try:
-            self.driver.delete(lease.key, if_generation=lease.generation)
-        except PreconditionFailedError:
-            return False
-        return True
-
-    def _put(self, if_generation: str | None) -> bool:
-        """Create the claim (or, at ``if_generation``, take it over); False if refused."""
-        try:
-            gen = self.driver.put(self.key, self.doc, exclusive=if_generation is None,
-                                  if_generation=if_generation)
-        except AlreadyExistsError:  # (PreconditionFailedError too) ours, if its reply was lost: looked at next
-            return False
-        self.held, self.generation = True, gen
-        return True
-
-    def try_take(self) -> bool:
-        """One try: create the claim; False if it exists (held, or ours if a reply was
-        lost: :meth:`take` finds out)."""
-        return self._put(None)
-
-    def take(self, *, tried: bool = False) -> None:
-        """Hold the claim: create it; if another writer holds it, wait while that writer's
-        lease is alive; once the lease is dead or gone, remove the lease (fencing a holder
-        that was only paused) and take the claim over.
-        :class:`StorageTimeoutError` if a live holder keeps it longer than its lease's
-        ttl + grace + the retry deadline of one request. ``tried``: :meth:`try_take` was
-        refused just now."""
-        store, d = self.commit.store, self.driver
-        delay = CLAIM_POLL[0]
-        waiting_on: str | None = ""
-        since = time.monotonic()
-        if not tried and self._put(None):
-            return
-        while True:
-            try:
-                info = d.info(self.key)
-                gen = info.generation
-                holder = self._holders.get(gen) if gen else None
-                if holder is None:
-                    holder = read_claim(d, self.key, gen)
-            except NotFoundError:  # released meanwhile
-                if self._put(None):
-                    return
-                continue
-            except PreconditionFailedError:  # replaced meanwhile
-                continue
-            if gen:
-                self._holders[gen] = holder
-            if holder.attempt == self.commit.attempt:  # our own PUT, its reply lost
-                self.held, self.generation = True, info.generation
-                return
-            alive, ttl, lease = self._holder_lease(holder)
-            if not alive:
-                if self._fence(lease) and self._put(info.generation):
-                    log.warning("took over the claim of %s from attempt %s (writer %r), whose lease is "
-                                "dead or gone", d.describe(self.commit.name), holder.attempt, holder.writer)
-                    return
-                continue
-            if gen != waiting_on:
-                waiting_on, since = gen, time.monotonic()
-            limit = ttl + store.grace + (d.retry.deadline if d.retry.deadline is not None else math.inf)
-            if time.monotonic() - since > limit:
-                raise StorageTimeoutError(
-                    f"commit of {d.describe(self.commit.name)}: attempt {holder.attempt} (writer "
-                    f"{holder.writer!r}) has held its claim {d.describe(self.key)} for more than "
-                    f"{limit:.0f}s while its lease stays alive; nothing was committed")
-            time.sleep(delay)
-            delay = min(2 * delay, CLAIM_POLL[1])
-
-    def release(self) -> None:
-        """Delete the claim, at the generation this writer wrote (a successor that took it
-        over keeps it). Best effort: recovery removes a claim left behind."""
-        if not self.held:
-            return
-        self.held = False
-        try:
-            self.driver.delete(self.key, if_generation=self.generation)
-        except PreconditionFailedError:
-            log.warning("the claim %s was taken over before it was released", self.driver.describe(self.key))
-        except Exception as exc:  # noqa: BLE001 - recovery removes it later
-            log.warning("could not release the claim %s: %s", self.driver.describe(self.key), exc)
-
 
 class OneFileCommit:
     """Stream one file and commit it atomically as ``name`` (a context manager).
@@ -259,8 +74,7 @@ class OneFileCommit:
     if ``name`` exists and ``overwrite`` is False (also when another writer wins), and
     when overwriting, if ``name`` changed since this commit began (compare-and-swap on
     the generation read then). A lease protects the save from recovery on every backend.
-    On a backend whose conditional upload completions are not known to be exclusive (S3)
-    the commit request is made under a claim (see the module docstring): it may wait
+    On an object store the commit request is made under the name's claim (see the module docstring): it may wait
     while another live writer commits the same name, and raises
     :class:`~atomicstore.StorageTimeoutError` if that writer holds the claim longer than
     its lease's ttl + grace + one request's retry deadline.
@@ -287,13 +101,16 @@ class OneFileCommit:
             raise self._conflict()
         #: the generation an overwrite replaces (None: nothing may be there)
         self.expected = self._generation() if overwrite else None
-        caps = d.capabilities
-        #: the claim the commit request is made under (None: the backend decides racing
-        #: completions exclusively, or renames, or cannot create exclusively at all)
-        self._claim = _Claim(self) if (
-            not self.staged and caps.atomic_create and not caps.exclusive_completion) else None
-        self._hooked = False
+        #: the claim the commit request is made under (None: the backend renames, or
+        #: cannot create exclusively at all)
         self._lease = Lease(d, name, self.attempt, store.writer_id, store.lease_ttl, store.clock)
+        self._claim = NameClaim(store, name, self.attempt, "one-file", self._lease) if (
+            not self.staged and claims_needed(d)) else None
+        #: the refusal found under the claim when the name holds a directory-layout checkpoint
+        self._layout_error: AlreadyExistsError | None = None
+        self._hooked = False
+        #: the checks under the claim passed: the commit request is (about to be) sent
+        self._requested = False
         self._lease.acquire()
         try:
             if self.staged:
@@ -331,13 +148,27 @@ class OneFileCommit:
         if not first.result():
             claim.take(tried=True)
             self._lease.check()
-        # Under the claim no other one-file writer completes, so what the name holds now is
-        # what the completion's precondition is evaluated against: check it here as well. A
-        # store that ignores If-Match or If-None-Match on a completion (moto 5.2.5 ignores
-        # If-Match there; the conformance check tests only put-if-absent completion within its
-        # budget) then still gives one winner per generation. (+1 HEAD per one-file save.)
-        if self._generation() != self.expected:
+        # Under the claim no other writer of this name sends its commit request, so what
+        # the name holds now is what the completion's precondition is evaluated against:
+        # check it here as well. A store that ignores If-Match or If-None-Match on a
+        # completion (moto 5.2.5 ignores If-Match there; the conformance check tests only
+        # put-if-absent completion within its budget) then still gives one winner per
+        # generation. And a native save of this name commits its marker under the same
+        # claim: a marker there now is refused (the layouts cannot be swapped).
+        # (+2 HEADs per one-file save, sent together.)
+        strategy = self.store.strategy
+        native = self.store.driver.background(lambda: strategy.has_checkpoint(self.name))
+        try:
+            generation = self._generation()
+        finally:
+            found = strategy.has_checkpoint(self.name) if native.cancel() else native.result()
+        if found:
+            self._layout_error = strategy.one_file_over_native(self.name)
+            raise self._layout_error
+        if generation != self.expected:
             raise AlreadyExistsError(f"{self.store.driver.describe(self.name)} changed since the save began")
+        claim.confirm()  # not paused past the lease since its check (no request)
+        self._requested = True
 
     def _generation(self) -> str | None:
         try:
@@ -394,14 +225,22 @@ class OneFileCommit:
                     if not self._hooked:
                         self._before_complete()
                     self._w.close()  # (the claim is taken right before the completing request)
-                finally:
-                    self._claim.release()
+                except AlreadyExistsError:
+                    self._claim.release()  # refused: nothing of ours can land any more
+                    raise
+                except BaseException:
+                    if not self._requested:  # (else it stays with the lease: below)
+                        self._claim.release()
+                    raise
+                self._claim.release()
                 generation = self._w.generation
         except LeaseLostError:  # (a CommitConflictError: caught first)
             self._cleanup()
             raise
         except AlreadyExistsError:
             self._cleanup()
+            if self._layout_error is not None:
+                raise self._layout_error from None
             raise self._conflict() from None
         except NotFoundError:
             if self.staged:  # the staged file vanished: recovery claimed it, fencing our lease
@@ -413,6 +252,14 @@ class OneFileCommit:
         except BaseException:
             if self.staged:
                 self._lease.stop()  # ambiguous: recovery waits for the lease to expire
+            elif self._requested:
+                # The commit request was sent and may still land (a timeout, a lost reply
+                # then no more retries): abort the upload (a completion that comes after it
+                # fails), and keep the lease and the claim, so that no other save of the
+                # name checks and commits before the lease is dead (ttl + grace).
+                with contextlib.suppress(Exception):
+                    self._w.abort()
+                self._lease.stop()
             else:
                 self._cleanup()  # an unfinished upload is invisible: abort it
             raise
@@ -474,4 +321,5 @@ class OneFileCommit:
             self.abort()
 
 
+# (the claim helpers moved to commit/claim.py; still importable from here)
 __all__ = ["CLAIMS", "ClaimHolder", "OneFileCommit", "claim_key", "parse_claim_key", "read_claim"]

@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import CorruptionError, InvalidArgumentError, NotFoundError, PreconditionFailedError
+from .claim import parse_claim_key, read_claim
 from .conformance import CONFORMANCE_PREFIX
 from .lease import LEASES, lease_key, parse_lease_key, read_lease_ttl
 from .manifest import Manifest
 from .names import ATTEMPT_ID, MANIFEST_FILE, MARKER_FILE, RESERVED_DIR, validate_name
-from .onefile import parse_claim_key, read_claim
 from .strategies import ATTEMPT_PREFIX, STAGING, TRASH, MarkerStrategy, RenameStrategy
 
 if TYPE_CHECKING:
@@ -278,7 +278,7 @@ class _Recovery:
             self.report.actions.append(RecoveryAction("lease", lease_key(name, attempt), why))
 
     def claim(self, key: str) -> None:
-        """A one-file commit's claim (``commit/onefile.py``), read afresh: left while the
+        """The claim of a commit of a name (``commit/claim.py``), read afresh: left while the
         lease of the attempt it names is alive or while it is younger than ``ttl +
         grace`` (the claim's ttl, else the store's); otherwise removed at the generation
         read (a writer that took it over meanwhile keeps it)."""
@@ -301,7 +301,7 @@ class _Recovery:
             except PreconditionFailedError:
                 return
         self.report.actions.append(RecoveryAction(
-            "claim", key, f"claim of a one-file commit of {name!r} whose writer is dead"))
+            "claim", key, f"claim of a commit of {name!r} whose writer is dead"))
 
     def read_markers(self, names: set[str]) -> dict[str, str | None]:
         """The attempt each marker names (None: unreadable right now, so nothing of that

@@ -400,9 +400,17 @@ class Store:
 
     def _refuse_inside_checkpoint(self, path: str) -> None:
         """InvalidArgumentError if the first component of ``path`` is a committed
-        checkpoint (one request: its commit point; none for a file at the root)."""
+        checkpoint, or ``path`` is one (one request: its commit point)."""
         first, sep, _ = path.partition("/")
         if not sep:
+            # On an object store (and in memory) the object <name> and the checkpoint
+            # <name>/ are two keys: a file written there would sit beside a committed
+            # checkpoint. (A file written while a save of that name is in flight: the save
+            # checks for it right before its commit point, under the name's claim.)
+            if self.strategy.has_checkpoint(path):
+                raise InvalidArgumentError(
+                    f"{self.driver.describe(path)} is a committed checkpoint: a file cannot be written "
+                    "under its name")
             return
         point = f"{first}/{MANIFEST_FILE if self.strategy.kind == 'rename' else MARKER_FILE}"
         if self.driver.exists(point):

@@ -21,6 +21,7 @@ import secrets
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from ..drivers.base import Driver
 from ..errors import (
@@ -33,6 +34,7 @@ from ..errors import (
     PreconditionFailedError,
     StorageError,
 )
+from .claim import NameClaim
 from .manifest import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, Manifest, Marker, sha256
 from .names import ATTEMPT_PREFIX as ATTEMPT_PREFIX
 from .names import MANIFEST_FILE, MARKER_FILE, RESERVED_DIR, validate_name
@@ -76,6 +78,7 @@ class CommitStrategy(ABC):
     def publish(
         self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
         expected: str | None = None, check: Callable[[], None] | None = None,
+        claim: NameClaim | None = None,
     ) -> None:
         """Write the manifest and make the attempt the committed ``name`` (the commit
         point). Raises :class:`CommitConflictError` if another attempt won. With
@@ -83,7 +86,10 @@ class CommitStrategy(ABC):
         replaced in the same atomic step, and its data removed afterwards; if ``name`` is
         at another generation by then, :class:`CommitConflictError`. ``check`` (the
         writer's lease check) runs after everything is written and made durable, right
-        before the commit point: nothing this attempt writes comes after it."""
+        before the commit point: nothing this attempt writes comes after it. ``claim`` (the
+        name's claim, on object stores: ``commit/claim.py``) is held around the commit
+        point; the rename strategy needs none (a directory and a file cannot share a
+        name there)."""
 
     @abstractmethod
     def attempt_prefix(self, name: str, attempt: str) -> str:
@@ -242,6 +248,7 @@ class RenameStrategy(CommitStrategy):
     def publish(
         self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
         expected: str | None = None, check: Callable[[], None] | None = None,
+        claim: NameClaim | None = None,
     ) -> None:
         d = self.driver
         staging = self._staging(name, attempt)
@@ -465,6 +472,7 @@ class MarkerStrategy(CommitStrategy):
     def publish(
         self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
         expected: str | None = None, check: Callable[[], None] | None = None,
+        claim: NameClaim | None = None,
     ) -> None:
         d = self.driver
         old: Marker | None = None
@@ -474,13 +482,64 @@ class MarkerStrategy(CommitStrategy):
             if found != expected:
                 self.discard(name, attempt)
                 raise self._conflict(name, old.writer if old else None)
-        self._put_manifest(name, attempt, manifest)
-        if check:
-            try:
-                check()
+        # The name's claim is taken while the manifest is written (one more PUT, no more
+        # round trips): a one-file save of this name sends its commit request under the
+        # same claim, so the object <name> checked under it cannot appear before our
+        # marker does (commit/claim.py).
+        taking = d.background(claim.try_take) if claim is not None else None
+        released: Future[None] | None = None
+        keep = False
+        try:
+            self._put_manifest(name, attempt, manifest)
+            try:  # before the commit point: on any error the attempt is discarded
+                one_file: Future[bool] | None = None
+                if claim is not None and taking is not None:
+                    if not (claim.try_take() if taking.cancel() else taking.result()):
+                        claim.take(tried=True)  # held by another writer of this name: wait
+                    one_file = d.background(lambda: self.is_file(name))  # with the lease check
+                if check:
+                    check()
+                if one_file is not None and (self.is_file(name) if one_file.cancel() else one_file.result()):
+                    raise self.native_over_one_file(name)
             except BaseException:
                 self.discard(name, attempt)
                 raise
+            if claim is not None:
+                claim.confirm()  # not paused past the lease since its check (no request)
+            try:
+                outcome, written = self._commit_point(name, attempt, writer, manifest, old, gen, check)
+            except AlreadyExistsError:
+                raise  # refused (or declared dead): nothing of ours can land any more
+            except BaseException:
+                # The marker PUT may still land (a timeout, a lost reply then no more
+                # retries): the claim stays, with the lease the transaction keeps, so no
+                # other save of the name checks and commits before the lease is dead
+                keep = True
+                raise
+            if claim is not None:
+                released = d.background(claim.release)  # with the check below
+            if outcome == "ours":
+                self._check_data_still_there(name, attempt, written, old, check)
+        finally:
+            if claim is not None and taking is not None and not keep:
+                if released is None:
+                    if not taking.cancel():
+                        try:
+                            taking.result()
+                        except Exception:  # noqa: BLE001 - not held then
+                            pass
+                    claim.release()
+                else:
+                    released.result()
+        if old is not None and old.attempt != attempt:
+            self._cleanup(self._prefix(name, old.attempt))  # the replaced checkpoint's data
+
+    def _commit_point(self, name: str, attempt: str, writer: str, manifest: bytes, old: Marker | None,
+                      gen: str | None, check: Callable[[], None] | None) -> tuple[str, str | None]:
+        """Create (or, at ``gen``, replace) the marker: the commit point. Returns
+        (outcome, the marker's generation if ours): ``"ours"`` or ``"superseded"``
+        (see :meth:`_settle`); raises when another writer won or the outcome is unknown."""
+        d = self.driver
         marker = Marker.new(name, attempt, writer, manifest, replaces=old)
         outcome = "ours"
         try:  # the commit point
@@ -513,10 +572,7 @@ class MarkerStrategy(CommitStrategy):
                 outcome = "error"
             if outcome not in ("ours", "superseded"):
                 raise
-        if outcome == "ours":
-            self._check_data_still_there(name, attempt, written, old, check)
-        if old is not None and old.attempt != attempt:
-            self._cleanup(self._prefix(name, old.attempt))  # the replaced checkpoint's data
+        return outcome, written
 
     def _settle(self, name: str, attempt: str, check: Callable[[], None] | None
                 ) -> tuple[str, str | None, Marker | None]:

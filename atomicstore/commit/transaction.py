@@ -13,7 +13,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ..drivers.base import Writer
-from ..errors import CommitConflictError, InvalidArgumentError, TransactionError
+from ..errors import AlreadyExistsError, InvalidArgumentError, TransactionError
+from .claim import NameClaim, claims_needed
 from .lease import Lease
 from .manifest import MAX_MANIFEST_BYTES, Crc32cHasher, FileEntry, Manifest, encode_metadata
 from .names import validate_path
@@ -177,6 +178,9 @@ class Transaction:
         #: the committed manifest, once :meth:`commit` succeeded
         self.manifest: Manifest | None = None
         self._lease = Lease(store.driver, name, attempt, store.writer_id, store.lease_ttl, store.clock)
+        #: the name's claim, held around the commit point on object stores (commit/claim.py)
+        self._claim = (NameClaim(store, name, attempt, "directory", self._lease)
+                       if claims_needed(store.driver) else None)
         strategy = store.strategy
 
         def early() -> str | None:
@@ -335,9 +339,10 @@ class Transaction:
                 # manifest, right before the commit point
                 self.store.strategy.publish(
                     self.name, self.attempt, self.store.writer_id, data, overwrite=self.overwrite,
-                    expected=self.expected, check=checks,
+                    expected=self.expected, check=checks, claim=self._claim,
                 )
-            except CommitConflictError:
+            except AlreadyExistsError:  # refused at the commit point (another writer won,
+                # or a one-file checkpoint of the name appeared): nothing was published
                 self._state = _State.ABORTED
                 self.store.strategy.discard(self.name, self.attempt)
                 self._lease.release()

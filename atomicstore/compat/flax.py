@@ -233,8 +233,13 @@ def _kind(path: str, storage_options: Mapping[str, Any] | None) -> str | None:
 
 
 def _step_names(st: Store, prefix: str) -> list[str]:
-    """Names of committed flax checkpoints ``<prefix><step>`` (no staging, no ``_gda``)."""
-    out = []
+    """Names of committed flax checkpoints ``<prefix><step>`` (no staging, no ``_gda``):
+    files, and directories that are committed checkpoints. On an object store a prefix
+    ``<name>/`` is also what a directory-layout save of ``<name>`` in flight (or killed
+    before recovery) leaves; it counts only once its commit point is there (one more
+    listing, of the committed names, when the store root has such a prefix)."""
+    out: set[str] = set()
+    committed: set[str] | None = None
     for e in st.driver.listdir(""):
         name = e.name.rstrip("/")
         rest = name[len(prefix):]
@@ -244,8 +249,13 @@ def _step_names(st: Store, prefix: str) -> list[str]:
             float(rest)
         except ValueError:
             continue
-        out.append(name)
-    return natural_sort(out)
+        if e.is_dir and not st.driver.capabilities.atomic_rename:
+            if committed is None:
+                committed = set(st.list())
+            if name not in committed:
+                continue
+        out.add(name)
+    return natural_sort(list(out))
 
 
 def _join(ckpt_dir: str, name: str) -> str:

@@ -82,8 +82,16 @@ class Capabilities:
         exclusive_completion: of two concurrent conditional completions of an upload
             (S3 ``CompleteMultipartUpload`` with ``If-None-Match``/``If-Match``, GCS's final
             request with ``ifGenerationMatch``) on one key, at most one succeeds. Where it is
-            not declared, a commit point that completes an upload takes a claim first
-            (``commit/onefile.py``): S3-compatible stores differ here (SeaweedFS lets both win).
+            not declared, atomicstore does not rely on it (S3-compatible stores differ here:
+            SeaweedFS lets both win); either way the commit requests of a name are made under
+            the name's claim (``commit/claim.py``).
+        exclusive_names: the store itself keeps the commit requests of one name exclusive
+            (of a directory-layout checkpoint's marker and of a one-file checkpoint's
+            object, and of racing completions), so commits take no claim. No real object
+            store does (two keys); rename backends need no claim anyway. The interleaving
+            model declares it (its scenarios never commit two layouts of one name, and a
+            claim's wait for a live holder is a polling loop, an unbounded branch for its
+            exhaustive search); claims are tested on the real servers.
     """
 
     atomic_rename: bool
@@ -94,6 +102,7 @@ class Capabilities:
     multipart_uploads: bool = False
     pinned_reads: bool = False
     exclusive_completion: bool = False
+    exclusive_names: bool = False
 
 
 @dataclass(frozen=True)
