@@ -1312,6 +1312,10 @@ class BufferedPartWriter(Writer):
     #: completes it; an exception from it fails ``close`` (the upload is aborted). A
     #: one-file commit takes its claim there (:mod:`atomicstore.commit.onefile`).
     before_complete: Callable[[], None] | None = None
+    #: most parts of this one upload in flight at once (``None``: only the store's
+    #: in-flight budget bounds them). Backends set it where a server takes the parts of
+    #: one upload no faster with more of them at once (S3: :mod:`atomicstore.drivers.s3`)
+    max_parts_in_flight: int | None = None
 
     def __init__(
         self,
@@ -1338,6 +1342,8 @@ class BufferedPartWriter(Writer):
         self._closing: concurrent.futures.Future[None] | None = None
         self._live = 0  # part requests running on the event loop now
         self._live_cond = threading.Condition()
+        self._flying = 0  # parts handed to the backend and not done yet
+        self._flying_cond = threading.Condition()
 
     # -- streaming ----------------------------------------------------------------------
     def _part_size(self) -> int:
@@ -1395,13 +1401,19 @@ class BufferedPartWriter(Writer):
         if not self.started:
             self._start()
             self.started = True
+        self._take_slot(final)
         budget = self.driver.inflight
-        held = budget.acquire(size, self._failure)
+        try:
+            held = budget.acquire(size, self._failure)
+        except BaseException:
+            self._give_slot()
+            raise
         number = self.parts + 1
         try:
             fut = self._upload_part(pieces, number, self.offset, final)
         except BaseException:
             budget.release(held)
+            self._give_slot()
             raise
         del pieces  # the request holds them, and lets go when it is done
         self.parts = number
@@ -1409,12 +1421,31 @@ class BufferedPartWriter(Writer):
         self._futures.append(fut)
         fut.add_done_callback(partial(self._part_done, held))
 
+    def _take_slot(self, final: bool) -> None:
+        """Wait until fewer than :attr:`max_parts_in_flight` parts of this upload are in
+        flight (giving up if the upload failed or was aborted meanwhile), and count one more.
+        The last part never waits: it is often a short tail (a file a few bytes longer
+        than whole parts), and waiting for a slot would delay it, and the completion
+        behind it, by a whole part's transfer."""
+        cap = None if final else self.max_parts_in_flight
+        with self._flying_cond:
+            while cap is not None and self._flying >= cap:
+                self._check()
+                self._flying_cond.wait(1.0)
+            self._flying += 1
+
+    def _give_slot(self) -> None:
+        with self._flying_cond:
+            self._flying -= 1
+            self._flying_cond.notify_all()
+
     def _part_done(self, held: int, fut: concurrent.futures.Future[Any]) -> None:
         if not fut.cancelled() and fut.exception() is not None:
             with self._lock:
                 if self.error is None:
                     self.error = fut.exception()
         self.driver.inflight.release(held)
+        self._give_slot()
 
     # -- ending -------------------------------------------------------------------------
     def close(self) -> None:
@@ -1518,6 +1549,8 @@ class BufferedPartWriter(Writer):
         for f in list(self._futures):
             f.cancel()
         self.driver.inflight.wake()  # a writer waiting for room gives up
+        with self._flying_cond:
+            self._flying_cond.notify_all()  # (or for a slot of this upload)
         closing = self._closing
         if closing is not None:
             # closed: the completion aborts the upload itself if it fails; once it is over
