@@ -16,14 +16,13 @@ rename backends a directory and a file cannot share a name.
 
 from __future__ import annotations
 
-from typing import Any
-
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 from conftest import Backend, make_backend
