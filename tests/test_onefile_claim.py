@@ -238,10 +238,11 @@ def test_a_live_holders_claim_is_never_taken_over(s3_backend: Backend) -> None:
     name = "checkpoint_5"
     # A's renewals (every ttl / 3) may each be late by up to 2 ttl / 3 before A's own
     # heartbeat gives up, and by ttl + grace - ttl / 3 before A looks dead to B: room for a
-    # loaded machine (1.5 + 1.5 once failed at load 8). B's own lease is long: B only
-    # waits, and a renewal of it late by more than its ttl would fail B for the wrong
-    # reason (seen in a loaded CI run with B's ttl 2 s).
-    ttl, grace = 3.0, 3.0
+    # loaded machine (1.5 + 1.5 once failed at load 8; with 3 + 3, a renewal PUT to a
+    # loaded SeaweedFS took over 2 s in a full CI run and A's lease lapsed). B's own lease
+    # is long: B only waits, and a renewal of it late by more than its ttl would fail B for
+    # the wrong reason (seen in a loaded CI run with B's ttl 2 s).
+    ttl, grace = 10.0, 3.0
     a_store = s3_backend.open(block_size=PART, lease_ttl=ttl)
     b_store = s3_backend.open(block_size=PART, lease_ttl=60.0, grace=grace)
     a_done = Held(completes(name))
