@@ -27,10 +27,12 @@ layouts' checks and commit points, from interleaving. ``docs/commit-protocol.md`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -121,6 +123,8 @@ class NameClaim:
                                "layout": layout, "ttl": store.lease_ttl}).encode()
         self.held = False
         self.generation: str | None = None
+        #: the first try, sent in the background by :meth:`start`
+        self._first: Future[bool] | None = None
         #: lease key -> its ttl (a lease's ttl never changes)
         self._ttls: dict[str, float] = {}
         #: claim generation -> its holder (a generation never comes back with other bytes)
@@ -167,6 +171,20 @@ class NameClaim:
         except AlreadyExistsError:  # (PreconditionFailedError too) ours, if its reply was lost: looked at next
             return False
         self.held, self.generation = True, gen
+        return True
+
+    def start(self) -> None:
+        """Send the first try in the background (alongside the caller's own requests);
+        :meth:`hold` waits for it, :meth:`release` settles it."""
+        self._first = self.driver.background(self.try_take)
+
+    def hold(self) -> bool:
+        """Hold the claim: the try :meth:`start` sent (or one now), and if it was refused,
+        :meth:`take`. True if it had to wait for another writer."""
+        first, self._first = self._first, None
+        if first.result() if first is not None and not first.cancel() else self.try_take():
+            return False
+        self.take(tried=True)
         return True
 
     def try_take(self) -> bool:
@@ -232,6 +250,10 @@ class NameClaim:
     def release(self) -> None:
         """Delete the claim, at the generation this writer wrote (a successor that took it
         over keeps it). Best effort: recovery removes a claim left behind."""
+        first, self._first = self._first, None
+        if first is not None and not first.cancel():
+            with contextlib.suppress(Exception):  # (refused or failed: not held then)
+                first.result()
         if not self.held:
             return
         self.held = False

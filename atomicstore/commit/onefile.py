@@ -138,15 +138,9 @@ class OneFileCommit:
         dead meanwhile)."""
         claim = self._claim
         assert claim is not None
-        first = self.store.driver.background(claim.try_take)
-        try:
-            self._lease.check()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                first.result()  # (landed or not: then the commit releases it)
-            raise
-        if not first.result():
-            claim.take(tried=True)
+        claim.start()
+        self._lease.check()  # (on an error the commit releases the claim, landed or not)
+        if claim.hold():  # it waited: declared dead meanwhile?
             self._lease.check()
         # Under the claim no other writer of this name sends its commit request, so what
         # the name holds now is what the completion's precondition is evaluated against:

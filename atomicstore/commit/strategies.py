@@ -486,16 +486,16 @@ class MarkerStrategy(CommitStrategy):
         # round trips): a one-file save of this name sends its commit request under the
         # same claim, so the object <name> checked under it cannot appear before our
         # marker does (commit/claim.py).
-        taking = d.background(claim.try_take) if claim is not None else None
+        if claim is not None:
+            claim.start()
         released: Future[None] | None = None
         keep = False
         try:
             self._put_manifest(name, attempt, manifest)
             try:  # before the commit point: on any error the attempt is discarded
                 one_file: Future[bool] | None = None
-                if claim is not None and taking is not None:
-                    if not (claim.try_take() if taking.cancel() else taking.result()):
-                        claim.take(tried=True)  # held by another writer of this name: wait
+                if claim is not None:
+                    claim.hold()  # (held by another writer of this name: waits)
                     one_file = d.background(lambda: self.is_file(name))  # with the lease check
                 if check:
                     check()
@@ -521,13 +521,8 @@ class MarkerStrategy(CommitStrategy):
             if outcome == "ours":
                 self._check_data_still_there(name, attempt, written, old, check)
         finally:
-            if claim is not None and taking is not None and not keep:
+            if claim is not None and not keep:
                 if released is None:
-                    if not taking.cancel():
-                        try:
-                            taking.result()
-                        except Exception:  # noqa: BLE001 - not held then
-                            pass
                     claim.release()
                 else:
                     released.result()
