@@ -65,8 +65,13 @@ def tests(session: nox.Session) -> None:
         # matrix: `matrix(newest)`, the parts whose outcome depends on a version.)
         select = [] if session.python == PYTHONS[0] else ["-m", "not slow and not seaweed"]
         session.run("pytest", "-q", *select, "tests/test_integration_orbax.py")
-        session.run("pytest", "-q", "--durations=25", "--ignore=tests/test_integration_orbax.py",
-                    *select)
+        # Two worker processes (pytest-xdist): run alone, the suite kept one of this 2-core
+        # machine's cores busy (81% CPU: it waits on servers, child processes and leases), 27.5
+        # min; in two workers it takes 16. `loadfile`: a worker takes a module whole, in
+        # order (a harness's last test totals the others' counts; module fixtures start
+        # once). Not `loadgroup`: with pytest 9.2 it silently stops grouping (xdist #1386).
+        session.run("pytest", "-q", "-n", "2", "--dist", "loadfile", "--durations=25",
+                    "--ignore=tests/test_integration_orbax.py", *select)
     else:
         session.run("pytest", "-q", *session.posargs)
 
@@ -262,7 +267,9 @@ def matrix(session: nox.Session, cell: str) -> None:
     lc = _lowest_constraints()
     tmp = Path(session.create_tmp()).resolve()
     started = time.monotonic()
-    packages = ["-e", f".[{c.extras}]", *c.also, *lc.tool_requirements()]
+    # --no-cache-dir: a cell's wheels (PyPI's CUDA build of torch among them, about 2 GB) are
+    # used once; kept in pip's cache they would double the cell's footprint on a shared disk
+    packages = ["--no-cache-dir", "-e", f".[{c.extras}]", *c.also, *lc.tool_requirements()]
     if c.lowest:
         pins = lc.lowest(c.extras.split(","), list(c.also), list(c.raised))
         constraints = tmp / "lowest-constraints.txt"

@@ -133,6 +133,11 @@ def in_forked_child(target: Any, *args: Any, timeout: float = 60) -> tuple[Any, 
 # -- which tests ran on SeaweedFS ----------------------------------------------------------
 
 _SEAWEED_RUNS: dict[str, list[str]] = {}
+#: what a harness says of itself (schedules explored, crash states checked, the model's
+#: states), by test: a test adds ("summary", line) to its user properties, which travel with
+#: its report, so the process that prints the run (the controller when the suite runs in
+#: several xdist workers) prints them at the end
+_SUMMARIES: dict[str, str] = {}
 
 
 def note_server(request: pytest.FixtureRequest, name: str) -> None:
@@ -162,7 +167,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Note every test that ran on SeaweedFS, with its outcome."""
+    """Note every test that ran on SeaweedFS, with its outcome, and every harness summary."""
+    if report.when == "teardown":
+        for name, value in report.user_properties:
+            if name == "summary":
+                _SUMMARIES[report.nodeid] = str(value)
     if ("server", "seaweed") not in report.user_properties:
         return
     if report.when == "call" or report.outcome != "passed":
@@ -170,7 +179,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """One line: how many tests ran on SeaweedFS (how many passed), and in which files."""
+    """What the harnesses explored; then one line: how many tests ran on SeaweedFS (how many
+    passed), and in which files."""
+    if _SUMMARIES:
+        terminalreporter.write_sep("-", "harnesses")
+        for _, line in sorted(_SUMMARIES.items()):
+            terminalreporter.write_line(line)
     if not _SEAWEED_RUNS:
         return
     outcomes = {nodeid: ("failed" if "failed" in o else o[0]) for nodeid, o in _SEAWEED_RUNS.items()}

@@ -31,6 +31,8 @@ from atomicstore.commit.strategies import STAGING, TRASH
 from atomicstore.drivers.local import LOCK_KEY
 
 # exhaustive or multi-process: run in full once, on the oldest Python (noxfile `tests`)
+# (the suite's xdist workers take a module whole, `--dist loadfile`: the last test here
+# totals what the others did)
 pytestmark = pytest.mark.slow
 
 FUTURE = time.time() + 10**7  # recovery runs long after the crash: every lease is dead
@@ -206,12 +208,13 @@ def test_every_crash_point(kind, scenario, request, tmp_path):
     assert n >= 3
 
 
-def test_report_crash_states_checked(capsys):
-    """Runs last in this module: states the total number of crash states checked."""
+def test_report_crash_states_checked(request):
+    """Runs last in this module: states the total number of crash states checked (in the
+    run's summary, tests/conftest.py)."""
     total = sum(CHECKED.values())
-    with capsys.disabled():
-        print(f"\ncrash-consistency harness: {total} crash states checked over {len(CHECKED)} "
-              f"backend/write-path pairs: {CHECKED}")
+    request.node.user_properties.append((
+        "summary", f"crash-consistency harness: {total} crash states checked over {len(CHECKED)} "
+                   f"backend/write-path pairs: {CHECKED}"))
     if len(CHECKED) == 25:  # the full matrix ran in this session
         assert total >= 300
 

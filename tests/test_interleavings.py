@@ -55,6 +55,8 @@ from atomicstore.pytree.format import SHARD_BLOCK
 from atomicstore.pytree.sharded import LocalShard, ShardedLeaf
 
 # exhaustive or multi-process: run in full once, on the oldest Python (noxfile `tests`)
+# (the suite's xdist workers take a module whole, `--dist loadfile`: the last test here
+# totals what the others did)
 pytestmark = pytest.mark.slow
 
 BACKENDS = ("object", "rename")
@@ -808,10 +810,11 @@ def test_multiprocess_checker_catches_mixed_attempts() -> None:
         assert mixed, res.report()
 
 
-def test_report_schedules_explored(capsys: pytest.CaptureFixture[str]) -> None:
-    """Runs last in this module: states how many schedules each scenario explored."""
-    with capsys.disabled():
-        print(f"\ninterleaving harness: {sum(EXPLORED.values())} schedules explored: "
-              + ", ".join(f"{k}: {n}" for k, n in EXPLORED.items()))
+def test_report_schedules_explored(request: pytest.FixtureRequest) -> None:
+    """Runs last in this module: states how many schedules each scenario explored (in the
+    run's summary, tests/conftest.py)."""
+    request.node.user_properties.append((
+        "summary", f"interleaving harness: {sum(EXPLORED.values())} schedules explored: "
+                   + ", ".join(f"{k}: {n}" for k, n in EXPLORED.items())))
     if len(EXPLORED) >= 20:  # the full matrix ran in this session
         assert sum(EXPLORED.values()) >= 10_000

@@ -960,40 +960,18 @@ def make_machine(place_factory: Any, stats: dict[str, Any]) -> type[RuleBasedSta
 
 
 # -- running it ---------------------------------------------------------------------------------
-class _Summary:
-    """Prints what the machine explored in pytest's terminal summary."""
-
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if not STATS:
-            return
-        terminalreporter.section("model-based test of the public API")
-        for kind, s in STATS.items():
-            terminalreporter.write_line(summary_line(kind, s))
-
-
 def summary_line(kind: str, s: dict[str, Any]) -> str:
     return (f"{kind:6}: {s['steps']} steps in {s['examples']} runs, {len(s['states'])} distinct model states, "
             f"{s['seconds']:.1f}s; rules: {dict(sorted(s['rules'].items()))}")
 
 
-@pytest.fixture(scope="module")
-def explored(request: pytest.FixtureRequest) -> Any:
-    pm = request.config.pluginmanager
-    if not pm.has_plugin("atomicstore-model-summary"):
-        pm.register(_Summary(), "atomicstore-model-summary")
-    yield STATS
-    for kind, s in STATS.items():
-        print(summary_line(kind, s))
-
-
 @pytest.mark.parametrize("kind", ["memory", "local", "s3", "gcs"])
-def test_public_api_matches_the_model(kind: str, explored: Any, request: pytest.FixtureRequest,
-                                      tmp_path: Any) -> None:
+def test_public_api_matches_the_model(kind: str, request: pytest.FixtureRequest, tmp_path: Any) -> None:
     server = request.getfixturevalue(f"{kind}_server") if kind in ("s3", "gcs") else None
     if server is not None:
         server.faults(None)
     stats: dict[str, Any] = {"steps": 0, "examples": 0, "states": set(), "rules": Counter(), "seconds": 0.0}
-    explored[kind] = stats
+    STATS[kind] = stats
     machine = make_machine(lambda: Place(kind, server, str(tmp_path)), stats)
     examples, steps = BUDGET[kind]
     t0 = time.monotonic()
@@ -1003,4 +981,7 @@ def test_public_api_matches_the_model(kind: str, explored: Any, request: pytest.
             database=None, suppress_health_check=list(HealthCheck), phases=PHASES))
     finally:
         stats["seconds"] = time.monotonic() - t0
+        # what it explored, in the run's summary (tests/conftest.py)
+        request.node.user_properties.append(("summary", "model-based test of the public API: "
+                                             + summary_line(kind, stats)))
     assert stats["steps"] > examples  # it explored something
