@@ -291,8 +291,11 @@ def matrix(session: nox.Session, cell: str) -> None:
         session.error(f"installed versions differ from the pins (pin, installed): {wrong}")
     installed = time.monotonic() - started
 
-    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    failed = []
+    # each test once, passed unless one of its reports failed, errored or skipped (JUnit gives
+    # a test that errors in teardown a second <testcase>: counting <testsuite> totals made a
+    # single such test "1/2")
+    passed_by_test: dict[tuple[str, str, str], bool] = {}
+    failed, unreported = [], []
     for group in c.groups:  # every group runs, whatever an earlier one gave
         report = tmp / f"junit-{group}.xml"
         report.unlink(missing_ok=True)
@@ -303,13 +306,17 @@ def matrix(session: nox.Session, cell: str) -> None:
         except nox.command.CommandFailed:
             failed.append(group)
         if report.exists():
-            for suite in ET.parse(report).getroot().iter("testsuite"):
-                for key in counts:
-                    counts[key] += int(suite.get(key, 0))
-    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+            for case in ET.parse(report).getroot().iter("testcase"):
+                key = (group, case.get("classname", ""), case.get("name", ""))
+                bad = any(child.tag in ("failure", "error", "skipped") for child in case)
+                passed_by_test[key] = passed_by_test.get(key, True) and not bad
+        else:  # pytest died before writing it: the row says so
+            unreported.append(group)
+    passed, total = sum(passed_by_test.values()), len(passed_by_test)
+    no_report = f" (no report from {', '.join(unreported)})" if unreported else ""
     tests_time = time.monotonic() - started - installed
     versions = ", ".join(f"{k} {freeze[k]}" for k in _MATRIX_SHOWN if k in freeze)
     session.log(f"matrix row: | {cell} | {session.python} | {versions} | {', '.join(c.groups)} | "
-                f"{passed}/{counts['tests']} | install {installed:.0f} s + tests {tests_time:.0f} s |")
+                f"{passed}/{total}{no_report} | install {installed:.0f} s + tests {tests_time:.0f} s |")
     if failed:
         session.error(f"matrix({cell}): failures in {', '.join(failed)} (pip freeze: {tmp / 'freeze.txt'})")

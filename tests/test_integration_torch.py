@@ -63,6 +63,12 @@ def finish(job, timeout: float = 120) -> list[dict]:
     try:
         for p in procs:
             logs.append(p.communicate(timeout=max(1, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        tails = [f"rank {i} (exit {p.wait()}):\n{(p.communicate()[0] or '')[-6000:]}" for i, p in enumerate(procs)]
+        pytest.fail(f"a worker was still running after {timeout:.0f}s; what each printed (a worker "
+                    "dumps its threads' stacks at 100 s):\n" + "\n---\n".join(tails))
     finally:
         for p in procs:
             p.kill()
