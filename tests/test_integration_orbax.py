@@ -816,7 +816,14 @@ def test_recovery_removes_an_empty_step_directory_once_untouched_for_grace(env: 
     assert not step_exists(env, "2")
     assert env.listing() == {k for k in before if k != "2" and not k.startswith("2/")} or env.kind == "local"
     env.cls.verify(f"{env.root}/1")  # committed steps untouched
-    assert atomic_manager(env).save(2, args=ocp.args.StandardSave(tree(2)))  # free again
+    again = atomic_manager(env)
+    assert again.save(2, args=ocp.args.StandardSave(tree(2)))  # free again
+    # an async save: finished here, before tmp_path goes (a passing test's is removed at its
+    # end), or its tensorstore write fails in the background and its callback, run later on
+    # a closed loop, fails whatever test runs then
+    again.wait_until_finished()
+    again.close()
+    env.cls.verify(f"{env.root}/2")
 
 
 def test_an_empty_step_directory_just_made_by_another_saver_is_left_to_it(env: Env):
