@@ -12,6 +12,7 @@ run that replaced it.
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import json
 import logging
 import threading
@@ -53,6 +54,38 @@ def read_lease_ttl(driver: Driver, key: str) -> float:
     if not 0 < ttl < 7 * 86400:
         raise CorruptionError(f"{driver.describe(key)}: lease ttl {ttl} out of range", path=key)
     return ttl
+
+
+class LeaseState(enum.Enum):
+    """What a lease says about its attempt, read now."""
+
+    LIVE = "live"  #: renewed within ``ttl + grace``: the writer may still commit
+    EXPIRED = "expired"  #: not renewed within ``ttl + grace``: the writer is presumed dead
+    GONE = "gone"  #: no lease object (never written, released, or fenced)
+
+
+def lease_state(driver: Driver, name: str, attempt: str, now: float, grace: float
+                ) -> tuple[LeaseState, str | None]:
+    """The one rule for every caller (recovery, retention, the Orbax adapter): the state
+    of ``attempt``'s lease and the generation it was read at (a fence deletes that
+    generation only, so a renewal after this read wins). The age is the object's own
+    modification time (the storage's clock), so a writer's clock never decides it; a
+    lease whose body is unreadable counts with a ttl of 0 (expired once ``grace`` passed).
+    """
+    key = lease_key(name, attempt)
+    try:
+        info = driver.info(key)
+    except NotFoundError:
+        return LeaseState.GONE, None
+    try:
+        ttl = read_lease_ttl(driver, key)
+    except NotFoundError:
+        return LeaseState.GONE, None
+    except CorruptionError:
+        ttl = 0.0
+    mtime = info.mtime if info.mtime is not None else now
+    live = mtime + ttl + grace > now
+    return (LeaseState.LIVE if live else LeaseState.EXPIRED), info.generation
 
 
 class Lease:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from ..errors import CorruptionError, InvalidArgumentError, NotFoundError, PreconditionFailedError
 from .claim import parse_claim_key, read_claim
 from .conformance import CONFORMANCE_PREFIX
-from .lease import LEASES, lease_key, parse_lease_key, read_lease_ttl
+from .lease import LEASES, LeaseState, lease_key, lease_state, parse_lease_key
 from .manifest import Manifest
 from .names import ATTEMPT_ID, MANIFEST_FILE, MARKER_FILE, RESERVED_DIR, validate_name
 from .strategies import ATTEMPT_PREFIX, STAGING, TRASH, MarkerStrategy, RenameStrategy
@@ -61,6 +61,9 @@ _GDA_SHARD = re.compile(r"a\d+/\d+(?:_\d+)*\.bin")
 #: than ``grace``) is stale whatever ``grace`` says (``recover(grace=0)`` must not remove
 #: the temporary of a write in progress)
 TEMP_MIN_AGE = 60.0
+
+
+_LEASE_WORDS = {LeaseState.LIVE: "alive", LeaseState.EXPIRED: "expired", LeaseState.GONE: "none"}
 
 
 @dataclass(frozen=True)
@@ -204,17 +207,8 @@ class _Recovery:
     # -- fresh reads --------------------------------------------------------------------
     def lease_state(self, name: str, attempt: str) -> tuple[str, str | None]:
         """("alive" | "expired" | "none", generation) of the attempt's lease, read now."""
-        key = lease_key(name, attempt)
-        try:
-            info = self.d.info(key)
-            ttl = read_lease_ttl(self.d, key)
-        except NotFoundError:
-            return "none", None
-        except CorruptionError:
-            ttl = 0.0
-            info = self.d.info(key)
-        mtime = info.mtime if info.mtime is not None else self.now
-        return ("alive" if mtime + ttl + self.grace > self.now else "expired"), info.generation
+        state, gen = lease_state(self.d, name, attempt, self.now, self.grace)
+        return _LEASE_WORDS[state], gen
 
     def fence(self, name: str, attempt: str, generation: str | None) -> bool:
         """Remove an expired lease (that generation only); False if it was renewed."""

@@ -99,7 +99,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from ..commit import Manifest, Store, Transaction, open_store
-from ..commit.lease import LEASES, Lease, lease_key, parse_lease_key, read_lease_ttl
+from ..commit.lease import LEASES, Lease, LeaseState, lease_key, lease_state, parse_lease_key
 from ..commit.manifest import Crc32cHasher, FileEntry, crc32c
 from ..commit.names import MARKER_FILE, RESERVED_DIR, validate_name, validate_path
 from ..commit.recovery import RecoveryAction, RecoveryReport
@@ -1380,18 +1380,10 @@ def _read_claim(store: Store, name: str) -> dict[str, Any] | None:
 
 def _lease_state(store: Store, name: str, attempt: str, now: float, grace: float
                  ) -> tuple[str, str | None]:
-    """("alive" | "expired" | "none", generation) of an attempt's lease, read now: alive
-    while renewed within ``ttl + grace``, the rule of ``store.recover()``."""
-    key = lease_key(name, attempt)
-    try:
-        info = store.driver.info(key)
-        ttl = read_lease_ttl(store.driver, key)
-    except NotFoundError:
-        return "none", None
-    except CorruptionError:
-        ttl = 0.0
-    mtime = info.mtime if info.mtime is not None else now
-    return ("alive" if mtime + ttl + grace > now else "expired"), info.generation
+    """("alive" | "expired" | "none", generation) of an attempt's lease, read now: the
+    commit layer's one rule (:func:`atomicstore.commit.lease.lease_state`)."""
+    state, gen = lease_state(store.driver, name, attempt, now, grace)
+    return {LeaseState.LIVE: "alive", LeaseState.EXPIRED: "expired", LeaseState.GONE: "none"}[state], gen
 
 
 def _judge_staged(store: Store, name: str, attempt: str, prefix: str, now: float) -> Judgement:
