@@ -64,14 +64,14 @@ def tests(session: nox.Session) -> None:
         # runs the whole suite once, on 3.11, and on 3.13 the newest cell of the dependency
         # matrix: `matrix(newest)`, the parts whose outcome depends on a version.)
         select = [] if session.python == PYTHONS[0] else ["-m", "not slow and not seaweed"]
-        session.run("pytest", "-q", *select, "tests/test_integration_orbax.py")
+        session.run("pytest", "-q", *select, "tests/integrations/test_integration_orbax.py")
         # Two worker processes (pytest-xdist): run alone, the suite kept one of this 2-core
         # machine's cores busy (81% CPU: it waits on servers, child processes and leases), 27.5
         # min; in two workers it takes 16. `loadfile`: a worker takes a module whole, in
         # order (a harness's last test totals the others' counts; module fixtures start
         # once). Not `loadgroup`: with pytest 9.2 it silently stops grouping (xdist #1386).
         session.run("pytest", "-q", "-n", "2", "--dist", "loadfile", "--durations=25",
-                    "--ignore=tests/test_integration_orbax.py", *select)
+                    "--ignore=tests/integrations/test_integration_orbax.py", *select)
     else:
         session.run("pytest", "-q", *session.posargs)
 
@@ -186,21 +186,21 @@ def build(session: nox.Session) -> None:
 # the oldest supported Python) and against the newest releases (on the newest one).
 MATRIX_TESTS = {
     # torch DCP through the integration, 2 gloo ranks
-    "torch": ["tests/test_integration_torch.py"],
+    "torch": ["tests/integrations/test_integration_torch.py"],
     # the integration's contract in one process; needs DCP's stream extensions (torch>=2.7)
-    "torch_contract": ["tests/test_torch_contract.py"],
-    "flax": ["tests/test_compat_flax.py", "tests/test_compat_fjformer.py"],
+    "torch_contract": ["tests/integrations/test_torch_contract.py"],
+    "flax": ["tests/compat/test_compat_flax.py", "tests/compat/test_compat_fjformer.py"],
     # real 2-process jax jobs (marked slow; named here, so they run)
-    "multihost": ["tests/test_multihost.py"],
+    "multihost": ["tests/system/test_multihost.py"],
     # round trips of every dtype (bfloat16, float8, ...), jax targets, sharded arrays
-    "pytree": ["tests/test_pytree.py", "tests/test_pytree_entry_points.py", "tests/test_pytree_hostile.py",
-               "tests/test_pytree_jax_targets.py", "tests/test_sharded_format.py"],
+    "pytree": ["tests/pytree/test_pytree.py", "tests/pytree/test_pytree_entry_points.py", "tests/pytree/test_pytree_hostile.py",
+               "tests/pytree/test_pytree_jax_targets.py", "tests/pytree/test_sharded_format.py"],
     # the drivers' protocol over fsspec/s3fs/gcsfs/botocore against the servers (-k below),
     # and in a forked child (fsspec < 2025.3.1 keeps its parent's event loop there)
-    "drivers": ["tests/test_protocol.py", "tests/test_drivers.py", "tests/test_parallel_io.py",
-                "tests/test_fork_drivers.py"],
+    "drivers": ["tests/commit/test_protocol.py", "tests/drivers/test_drivers.py", "tests/drivers/test_parallel_io.py",
+                "tests/drivers/test_fork_drivers.py"],
     # Orbax in a process of its own (see `tests`)
-    "orbax": ["tests/test_integration_orbax.py"],
+    "orbax": ["tests/integrations/test_integration_orbax.py"],
 }
 # Left out of every cell (measured with --durations: half the tests' time, and nothing in
 # them varies with a dependency): the crash-state enumeration of the one-file commit (a

@@ -84,7 +84,7 @@ class Bench:
     # -- pieces ------------------------------------------------------------------------------
     def kill_when(self, cluster: SeaweedCluster, victim: int, matches: Callable[[dict[str, Any]], bool],
                   after: Callable[[int, int], bool]) -> dict[str, float]:
-        """Arm the hook (see tests/test_seaweed_cluster.py); the returned dict gets
+        """Arm the hook (see tests/system/test_seaweed_cluster.py); the returned dict gets
         ``killed`` (perf_counter) and ``dropped`` (seconds until the master stopped
         counting the server) once they happen."""
         info: dict[str, float] = {}

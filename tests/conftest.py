@@ -22,7 +22,7 @@ import pytest
 # gcsfs reads this once, when it is first imported: set before anything imports it. Its
 # experimental subclass asks the GCS control plane (gRPC) for a bucket's layout on e.g.
 # ``makedirs``, and against the fake that RPC is retried for minutes. atomicstore's own
-# driver never uses the subclass, but Orbax's epath (tests/test_integration_orbax.py)
+# driver never uses the subclass, but Orbax's epath (tests/integrations/test_integration_orbax.py)
 # makes plain ``fsspec.filesystem("gs")`` instances, which hung on it whenever an earlier
 # test of the same process had imported gcsfs first.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
@@ -55,7 +55,7 @@ class Backend:
         store = atomicstore.open_store(self.url, **self.options, **kwargs)
         if self.kind in ("s3", "gcs") and kwargs.get("check_conformance", True):
             # the check runs once per bucket before its first commit: here, before the test's
-            # own faults, request counts and crashes (tests/test_conformance.py tests it)
+            # own faults, request counts and crashes (tests/drivers/test_conformance.py tests it)
             store.conformance()
         return store
 

@@ -321,7 +321,7 @@ class ObjectModelDriver(Driver):
         # branch for the exhaustive search (tried in issue 22: one scenario went from 303
         # schedules to more than two minutes without an end). The claims are tested on the
         # real servers, each actor put between two requests by a held request
-        # (tests/test_onefile_claim.py, tests/test_layout_collision.py)
+        # (tests/commit/test_onefile_claim.py, tests/commit/test_layout_collision.py)
         exclusive_completion=True,
         exclusive_names=True,
     )

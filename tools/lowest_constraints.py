@@ -11,7 +11,7 @@ higher than its declared lower bound, where another lower bound of the same cell
 (say why where it is used). ``--tools`` prints instead the test extra less every package the
 package itself declares: the test tools, installed without the suite's own floors.
 
-Standard library only (tests/test_dependencies.py imports it, and any Python runs it).
+Standard library only (tests/system/test_dependencies.py imports it, and any Python runs it).
 """
 
 from __future__ import annotations

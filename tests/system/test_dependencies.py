@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "dependencies.md"
 
 _spec = importlib.util.spec_from_file_location("lowest_constraints", ROOT / "tools" / "lowest_constraints.py")

@@ -1,4 +1,4 @@
-"""One JAX process of a multi-process test (started by tests/test_multiprocess.py).
+"""One JAX process of a multi-process test (started by tests/system/test_multiprocess.py).
 
 usage: mp_worker.py PORT NPROC PID MODE ARG URL OPTIONS_JSON OUT_JSON
 

@@ -181,7 +181,7 @@ def test_read_only_credentials_restore_and_a_save_is_refused_writing_nothing(kin
     assert st.list() == ["s"]
 
 
-# -- a forked process (local disk; S3/GCS: tests/test_fork_drivers.py) -------------------------
+# -- a forked process (local disk; S3/GCS: tests/drivers/test_fork_drivers.py) -------------------------
 def test_a_forked_child_restores_and_saves_through_its_parents_local_store(tmp_path):
     """In a fresh interpreter (no jax threads to fork under): the parent opens the store
     and saves; a forked child restores and saves through the parent's store object."""
@@ -201,7 +201,7 @@ def test_a_forked_child_restores_and_saves_through_its_parents_local_store(tmp_p
         print("CHILD", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), st.list())
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
                                                                           os.environ.get("PYTHONPATH", "")])})
     assert out.returncode == 0 and out.stdout.strip() == "CHILD 0 ['from-child', 's']", out
     assert np.array_equal(atomicstore.restore(f"{url}/from-child")["w"], np.arange(3.0))
@@ -226,7 +226,7 @@ def test_a_read_only_local_mount_restores_and_a_save_is_refused(tmp_path):
         ["unshare", "--mount", "--propagation", "private", "sh", "-c",
          f'mount --bind "{src}" "{ro}" && mount -o remount,bind,ro "{ro}" && exec "{sys.executable}" -c "$0"',
          script], capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
                                                           os.environ.get("PYTHONPATH", "")])})
     assert out.returncode == 0 and out.stdout.split() == ["REFUSED", "True"], out
     assert atomicstore.open_store(str(src)).list() == ["s"]  # nothing left by the refused save

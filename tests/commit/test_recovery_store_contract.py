@@ -2,7 +2,7 @@
 (``open_store``, ``list``, ``delete``, ``verify``): what if what it reads is overwritten or
 deleted between two of its requests, what if it is given hostile or oversized input,
 what if the store is read-only, what if the process forked (the last in
-``tests/test_fork_drivers.py``), each answered by a test here."""
+``tests/drivers/test_fork_drivers.py``), each answered by a test here."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Issue 21, row 12: every process of a ``jax.distributed`` job restores the same save.
 
-Two real processes (tests/mh_worker.py, 2 CPU devices each) restore step 1 (through
+Two real processes (tests/system/mh_worker.py, 2 CPU devices each) restore step 1 (through
 ``CheckpointManager.restore``) and then a checkpoint ``direct`` (through
 ``atomicstore.restore``) while another job (this test) overwrites it exactly after process
 0 has read everything it reads and before process 1's first read: process 1's first

@@ -1,7 +1,7 @@
 """The compat modules held to the contract of every entry point (issue 21, "four questions"):
 what if what a call reads is overwritten or deleted between two of its requests, what if the
 store is read-only, what if the process forked (hostile and oversized input: the hostile
-tests of tests/test_compat_fjformer.py and tests/test_compat_flax.py, and the limits of
+tests of tests/compat/test_compat_fjformer.py and tests/compat/test_compat_flax.py, and the limits of
 row 14 there).
 
 Another job is put between two requests of a call by a rule of the fault layer that runs it

@@ -1,6 +1,6 @@
 """Arrays sharded across real JAX processes (jax.distributed on localhost, gloo).
 
-Each test starts 2 or 4 processes of tests/mp_worker.py with 2 CPU devices each.
+Each test starts 2 or 4 processes of tests/system/mp_worker.py with 2 CPU devices each.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def run(n: int, mode: str, arg: str, url: str, opts: dict, tmp_path: Path, timeo
     port = free_port()
     outs = [tmp_path / f"out-{mode}-{arg}-{n}-{i}.json" for i in range(n)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parents[2]), env.get("PYTHONPATH", "")])
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(n), str(i), mode, arg, url,
                                json.dumps(opts), str(outs[i])], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(n)]

@@ -1,6 +1,6 @@
 """torch.distributed.checkpoint through atomicstore (issue 13): AtomicStorageWriter and
 AtomicStorageReader with real ``torch.distributed`` jobs (gloo on 127.0.0.1, real
-processes: tests/torch_worker.py) on local disk and the S3 and GCS fakes, and in-process
+processes: tests/integrations/torch_worker.py) on local disk and the S3 and GCS fakes, and in-process
 single-rank checks (DCP's ``no_dist``).
 """
 
@@ -49,7 +49,7 @@ def free_port() -> int:
 def start(n: int, url: str, opts: dict, actions: list[dict], tmp_path: Path, tag: str):
     port = free_port()
     outs = [tmp_path / f"out-{tag}-{i}.json" for i in range(n)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent.parent), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parents[2]), os.environ.get("PYTHONPATH", "")]))
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(n), str(i), url, json.dumps(opts),
                                json.dumps(actions), str(outs[i])], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(n)]

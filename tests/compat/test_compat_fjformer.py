@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 import atomicstore
 from atomicstore.compat import fjformer as fj
 
-FIX = Path(__file__).parent / "fixtures" / "fjformer"
+FIX = Path(__file__).parents[1] / "fixtures" / "fjformer"
 _spec = importlib.util.spec_from_file_location("fjformer_cases", FIX / "cases.py")
 assert _spec is not None and _spec.loader is not None
 cases = importlib.util.module_from_spec(_spec)

@@ -10,7 +10,7 @@ The 100,000 objects are written straight into the fakes' memory (moto's backend,
 fake's dict): valid checkpoints (marker, manifest, files) in a few seconds. SeaweedFS, a
 real server, takes its objects through S3 (~300 a second here): it runs the tests of a
 few thousand objects, not those of 100,000 (its paged listings are checked in
-tests/test_seaweed.py).
+tests/drivers/test_seaweed.py).
 """
 
 from __future__ import annotations

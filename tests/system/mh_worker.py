@@ -1,4 +1,4 @@
-"""One JAX process of a multi-host test of the native layout (started by tests/test_multihost.py).
+"""One JAX process of a multi-host test of the native layout (started by tests/system/test_multihost.py).
 
 usage: mh_worker.py PORT NPROC PID URL OPTIONS_JSON ACTIONS_JSON OUT_JSON
 

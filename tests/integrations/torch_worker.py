@@ -1,5 +1,5 @@
 """One rank of a torch.distributed job saving and loading through DCP with atomicstore's
-storage (started by tests/test_integration_torch.py).
+storage (started by tests/integrations/test_integration_torch.py).
 
 usage: torch_worker.py PORT WORLD RANK URL OPTIONS_JSON ACTIONS_JSON OUT_JSON
 

@@ -1,13 +1,13 @@
 """A training job that saves through Orbax and AtomicTemporaryPath, and blocks mid-save.
 
-    python tests/orbax_worker.py <root> <gcs endpoint or "-">
+    python tests/integrations/orbax_worker.py <root> <gcs endpoint or "-">
 
 Saves step 1 (committed; prints ``COMMITTED 1``), then starts step 2: the ``params``
 item (real Orbax/TensorStore arrays) is written, then the ``tail`` item writes its first
 file, prints ``MIDWRITE 2`` and blocks before its second file, so the parent can SIGKILL
 the process in the middle of the save.
 
-    python tests/orbax_worker.py <root> <gcs endpoint or "-"> hold <step> <seed> <gate file>
+    python tests/integrations/orbax_worker.py <root> <gcs endpoint or "-"> hold <step> <seed> <gate file>
 
 Saves ``<step>`` (the tree of ``<seed>``, as the tests' ``tree``) through an
 ``AtomicCheckpointManager`` (async): once everything is written it prints ``HELD`` and

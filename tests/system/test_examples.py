@@ -8,7 +8,7 @@ from pathlib import Path
 
 import atomicstore
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quickstart_example_runs(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "atomicstore"
+PKG = Path(__file__).resolve().parents[2] / "atomicstore"
 LAYER = {"drivers": 0, "retry": 0, "errors": 0, "commit": 1, "pytree": 2, "manager": 3, "compat": 4,
          "integrations": 4, "testing": 4, "cli": 5, "demo": 5, "__main__": 6, "__init__": 6}
 

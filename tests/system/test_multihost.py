@@ -2,7 +2,7 @@
 holding ``jax.Array``s sharded across the processes of a real ``jax.distributed`` job
 (issue 12).
 
-Each job is 2 or 4 processes of tests/mh_worker.py on 127.0.0.1, 2 CPU devices each
+Each job is 2 or 4 processes of tests/system/mh_worker.py on 127.0.0.1, 2 CPU devices each
 (gloo collectives). The worker runs a list of steps and reports the outcome of each;
 several checks share one launch to keep the suite fast.
 """
@@ -50,7 +50,7 @@ def start(n: int, url: str, opts: dict, actions: list[dict], tmp_path: Path, tag
     port = free_port()
     outs = [tmp_path / f"out-{tag}-{i}.json" for i in range(n)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parents[2]), env.get("PYTHONPATH", "")])
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(n), str(i), url, json.dumps(opts),
                                json.dumps(actions), str(outs[i])], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(n)]

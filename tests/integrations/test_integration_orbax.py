@@ -299,13 +299,13 @@ def atomic_manager(env: Env, **kw: Any) -> aso.AtomicCheckpointManager:
 
 
 class Holder:
-    """tests/orbax_worker.py in ``hold`` mode: another process saving ``step`` through an
+    """tests/integrations/orbax_worker.py in ``hold`` mode: another process saving ``step`` through an
     AtomicCheckpointManager, held right before its commit until ``gate`` exists."""
 
     def __init__(self, env: Env, step: int, seed: int, gate: Path) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER), env.root, env.endpoint, "hold", str(step), str(seed), str(gate)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(WORKER.parent.parent))
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(WORKER.parents[2]))
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -588,7 +588,7 @@ def test_recovery_removes_a_marker_whose_claim_and_files_are_gone(env: Env):
 # -- a save killed mid-write -----------------------------------------------------------------------
 def test_a_save_killed_mid_write_is_never_listed_and_recovery_removes_it(env: Env):
     proc = subprocess.Popen([sys.executable, str(WORKER), env.root, env.endpoint], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, cwd=str(WORKER.parent.parent))
+                            stderr=subprocess.DEVNULL, text=True, cwd=str(WORKER.parents[2]))
     try:
         lines: list[str] = []
         deadline = time.time() + 60
