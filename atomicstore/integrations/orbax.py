@@ -82,32 +82,52 @@ Supported: ``orbax-checkpoint`` :data:`SUPPORTED_ORBAX` (tested), one JAX proces
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
-import json
 import logging
 import os
 import re
-import stat
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from ..commit import Manifest, Store, Transaction, open_store
-from ..commit.lease import LEASES, Lease, LeaseState, lease_key, lease_state, parse_lease_key
-from ..commit.manifest import Crc32cHasher, FileEntry, crc32c
-from ..commit.names import MARKER_FILE, RESERVED_DIR, validate_name, validate_path
-from ..commit.recovery import RecoveryAction, RecoveryReport
-from ..commit.strategies import ATTEMPT_PREFIX, STAGING, MarkerStrategy, new_attempt_id
+from ..commit import Manifest, Store, open_store
+from ..commit.inplace import (
+    CLAIM_FILE,
+    COMMIT_FORMAT,
+    METADATA_KEY,
+    AttemptState,
+    InPlaceCommit,
+    Judgement,
+    describe,
+    judge_in_place,
+    writes_in_place,
+)
+from ..commit.names import MARKER_FILE, validate_name
+from ..commit.recovery import RecoveryReport
+from ..commit.steps import (
+    EmptyState,
+    FoundStep,
+    StagedCommit,
+    committed_manifest,
+    judge_empty_step,
+    judge_staged,
+    parse_staging_path,
+    probe_step,
+    recover_steps,
+    remove_empty_step,
+    staging_path,
+    step_damage,
+    step_gone,
+    verify_step,
+)
+from ..commit.strategies import new_attempt_id
 from ..errors import (
-    AlreadyExistsError,
     AtomicStoreError,
-    ChecksumMismatchError,
     CommitConflictError,
     CorruptionError,
     InvalidArgumentError,
@@ -134,16 +154,7 @@ __all__ = [
 
 #: the Orbax releases this module is tested with: ``>= first, < second``
 SUPPORTED_ORBAX = ("0.12.8", "0.13")
-#: the object that takes a step on object stores (conditional create, names the attempt)
-CLAIM_FILE = "atomicstore-claim.json"
-#: the key of a staged step's manifest metadata that marks it as an Orbax step
-METADATA_KEY = "orbax"
-#: ``format`` of an object-store step's ``commit_success.txt`` (and of the metadata)
-COMMIT_FORMAT = "atomicstore.orbax/1"
-_CLAIM_FORMAT = "atomicstore.orbax-claim/1"
 log = logging.getLogger(__name__)
-_MAX_CLAIM_BYTES = 64 * 2**10
-_MAX_MARKER_BYTES = 64 * 2**20
 #: how long an item waits for its step's ``create`` to begin (seconds): Orbax begins it
 #: before it makes the items, so a step that has not begun by then never will
 _START_WAIT = 60.0
@@ -264,7 +275,7 @@ class ForcedOverwriteWarning(UserWarning):
     checkpoint may have been lost: use :class:`AtomicCheckpointManager`."""
 
 
-def _abandon(txn: Transaction | None, lease: Lease | None, pid: int) -> None:
+def _abandon(commit: StagedCommit | InPlaceCommit, pid: int) -> None:
     """An attempt dropped without ``finalize`` (its save failed, or the process exits):
     stop its lease; what it wrote is left to recovery (or, staged, removed now). Nothing
     in a forked child (whose exit runs the finalizers it inherited): the attempt is its
@@ -272,27 +283,9 @@ def _abandon(txn: Transaction | None, lease: Lease | None, pid: int) -> None:
     if os.getpid() != pid:
         return
     try:
-        if txn is not None:
-            txn.abort()
-        if lease is not None:
-            lease.release()
+        commit.abandon()
     except Exception:  # noqa: BLE001 - best effort; recovery removes what is left
         pass
-
-
-@dataclass
-class Judgement:
-    """What an attempt is, decided from storage read just now: ``state`` is ``"stale"``
-    (provably uncommitted and dead: may be removed), ``"in_flight"``, ``"committed"`` or
-    ``"foreign"`` (not an attempt of this integration: never touched)."""
-
-    state: str
-    reason: str
-    attempt: str | None = None
-    lease_generation: str | None = None
-    lease_exists: bool = False
-    claim_generation: str | None = None
-    keys: list[str] = field(default_factory=list)
 
 
 class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is untyped
@@ -350,16 +343,15 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         self._step = step  # for an item: the step it belongs to
         self._metadata_store = metadata_store
         self._mode = mode
-        self._txn: Transaction | None = None  # staged (rename backends)
-        self._lease: Lease | None = None  # in place (object stores)
-        self._claimed = False  # in place: this attempt holds the step's claim
+        #: the commit-layer attempt: staged (rename backends) or in place (object stores)
+        self._commit: StagedCommit | InPlaceCommit | None = None
         self._finalized = False
         self._started = False  # create has begun
         self._created = threading.Event()  # create has ended, well or not
         self._create_error: BaseException | None = None
         self._ended = False  # finalized or aborted
-        self._found: tuple[str, str | None] | None = None  # what was at the step at from_final
-        self._finalizer: weakref.finalize[[Transaction | None, Lease | None, int], AtomicTemporaryPath] | None = None
+        self._found: tuple[FoundStep, str | None] | None = None  # what was at the step at from_final
+        self._finalizer: weakref.finalize[[StagedCommit | InPlaceCommit, int], AtomicTemporaryPath] | None = None
 
     @property
     def is_item(self) -> bool:
@@ -393,7 +385,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
             raise InvalidArgumentError(f"path_permission_mode must be a mode like 0o750, not {mode!r}")
         parent = str(final.parent)
         step = _item_step(parent)
-        if step is not None or _staging_parts(parent) is not None:
+        if step is not None or parse_staging_path(parent) is not None:
             # an item of a step of this process: a plain directory inside the step's attempt
             return cls(final=final, tmp=final, root=None, name=None, attempt=None,
                        step=step or _detached(cls, parent), mode=mode)
@@ -401,13 +393,11 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         name = validate_name(final.name)
         store = cls.open_store(parent)
         attempt = new_attempt_id()
-        if _in_place_store(store):
-            tmp = final  # in place: Orbax's readers expect the items under <step>/
-        else:
-            tmp = epath.Path(store.driver.path(store.strategy.attempt_prefix(name, attempt)))
+        # in place: Orbax's readers expect the items under <step>/
+        tmp = final if writes_in_place(store) else epath.Path(staging_path(store, name, attempt))
         self = cls(final=final, tmp=tmp, root=_root_string(parent), name=name, attempt=attempt,
                    metadata_store=checkpoint_metadata_store, mode=mode)
-        self._found = _probe(store, name)
+        self._found = probe_step(store, name)
         with _LIVE_LOCK:
             # on object stores every attempt of a step writes into the step itself: a save
             # of this process already taking or holding it is not joined but refused (its
@@ -415,7 +405,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
             busy = [a for a in _attempts_at(str(tmp)) if a._in_flight()]
             if busy:
                 raise CommitConflictError(
-                    f"step {store.driver.describe(name)} is being saved by another save in this "
+                    f"step {describe(store, name)} is being saved by another save in this "
                     f"process (attempt {busy[0].attempt}): refused before writing anything", name=name)
             _LIVE.setdefault(str(tmp), []).append(weakref.ref(self))
         _THREAD.step = weakref.ref(self)
@@ -434,7 +424,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         if snapshot_type is not None:
             raise InvalidArgumentError("AtomicTemporaryPath does not support Orbax snapshots")
         tmp = epath.Path(temporary_path)
-        parts = _staging_parts(str(tmp))
+        parts = parse_staging_path(str(tmp))
         if parts is not None:
             root, name, attempt = parts
             return cls(final=epath.Path(root) / name, tmp=tmp, root=root, name=name, attempt=attempt,
@@ -516,10 +506,24 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         try:
             store = self._store()
             self._check_not_forced(store)
-            if _in_place_store(store):
-                self._begin_in_place(store)
+            commit: StagedCommit | InPlaceCommit
+            if writes_in_place(store):
+                commit = InPlaceCommit(store, self._name, self._attempt, version=ORBAX_VERSION)
             else:
-                self._begin_staged(store)
+                commit = StagedCommit(store, self._name, self._attempt, version=ORBAX_VERSION)
+            self._commit = commit
+            self._finalizer = weakref.finalize(self, _abandon, commit, self._pid)
+            try:
+                # the lease before any data; on object stores the claim, on disk the staging
+                # directory: a committed or claimed step is refused here (CommitConflictError)
+                if isinstance(commit, StagedCommit):
+                    commit.begin(self._mode)
+                else:
+                    commit.begin()
+                self._write_step_metadata()
+            except BaseException:
+                self._end(abort=True)
+                raise
         except BaseException as exc:
             self._create_error = exc
             raise
@@ -533,77 +537,17 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
             return
         assert self._name is not None
         kind, _gen = self._found
-        d = store.driver
-        if kind == "step":
-            gone = not os.path.isdir(d.path(self._name))
-        else:
-            gone = not d.exists(f"{self._name}/{CLAIM_FILE}")
-        if not gone:
+        if not step_gone(store, self._name, kind):
             return  # still there: create refuses this save (CommitConflictError)
-        what = {"step": "a step directory", "committed": "a committed step",
-                "claimed": "a step being saved by another writer (or left by a crashed save)"}[kind]
-        msg = (f"{d.describe(self._name)} held {what} when this save began, and it was deleted before "
+        what = {FoundStep.STEP: "a step directory", FoundStep.COMMITTED: "a committed step",
+                FoundStep.CLAIMED: "a step being saved by another writer (or left by a crashed save)"}[kind]
+        msg = (f"{describe(store, self._name)} held {what} when this save began, and it was deleted before "
                "the save's create, most likely by Orbax's force=True (which ocp.CheckpointManager.save "
                "always passes: it removes an existing step before AtomicTemporaryPath can refuse the "
                "save). If another writer saved it, its checkpoint is lost. Save through "
                "atomicstore.integrations.orbax.AtomicCheckpointManager, which never forces.")
         log.warning("%s", msg)
         warnings.warn(msg, ForcedOverwriteWarning, stacklevel=2)
-
-    def _begin_staged(self, store: Store) -> None:
-        assert self._name is not None and self._attempt is not None
-        meta = {METADATA_KEY: {"format": COMMIT_FORMAT, "layout": "staged", "orbax_version": ORBAX_VERSION}}
-        # a committed name: CommitConflictError here; then the lease, before any data
-        txn = Transaction(store, self._name, metadata=meta, attempt=self._attempt)
-        self._txn = txn
-        self._finalizer = weakref.finalize(self, _abandon, txn, None, self._pid)
-        try:
-            d = store.driver
-            d.makedirs(txn.prefix)
-            if self._mode is not None:
-                try:
-                    os.chmod(d.path(txn.prefix), self._mode)
-                except OSError as exc:
-                    raise StorageError(f"could not chmod {d.describe(txn.prefix)}: {exc}") from exc
-            self._write_step_metadata()
-        except BaseException:
-            self._end(abort=True)
-            raise
-
-    def _begin_in_place(self, store: Store) -> None:
-        assert self._name is not None and self._attempt is not None
-        d = store.driver
-        if d.exists(f"{self._name}/{MARKER_FILE}"):
-            raise CommitConflictError(f"step {d.describe(self._name)} is already committed", name=self._name)
-        lease = Lease(d, self._name, self._attempt, store.writer_id, store.lease_ttl, store.clock)
-        lease.acquire()  # before any data: recovery leaves the attempt alone while it lives
-        self._lease = lease
-        self._finalizer = weakref.finalize(self, _abandon, None, lease, self._pid)
-        try:
-            self._claim(store)
-            self._write_step_metadata()
-        except BaseException:
-            self._end(abort=True)
-            raise
-
-    def _claim(self, store: Store) -> None:
-        """Take the step before any byte is written: a conditional create that exactly one
-        attempt wins (a lost reply is recognised by its bytes, which name the attempt)."""
-        assert self._name is not None
-        doc = {"format": _CLAIM_FORMAT, "name": self._name, "attempt": self._attempt,
-               "writer": store.writer_id, "created": time.time()}
-        try:
-            store.write_file(f"{self._name}/{CLAIM_FILE}", json.dumps(doc, sort_keys=True).encode(),
-                             overwrite=False)
-        except AlreadyExistsError:
-            holder = _read_claim(store, self._name)
-            who = f"attempt {holder['attempt']} of {holder['writer']}" if holder else "another writer"
-            raise CommitConflictError(
-                f"step {store.driver.describe(self._name)} is being written by {who} (or was left by "
-                "a crashed save, until recovery removes it): refused before writing anything",
-                name=self._name,
-            ) from None
-        self._claimed = True
 
     def _write_step_metadata(self) -> None:
         """What Orbax's own ``create`` writes into a new step: its StepMetadata."""
@@ -621,18 +565,17 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         if self.is_item:
             return
         self._check_owner("finalize")
-        if self._txn is None and self._lease is None:
+        commit = self._commit
+        if commit is None or not commit.started:
             raise TransactionError(f"{self} was not created by this process: only its creator commits it")
         if self._finalized:
             raise TransactionError(f"{self} was already finalized")
         self._finalized = True
         try:
             # a writer declared dead must not write again, not even Orbax's commit time
-            await asyncio.to_thread(self._check_still_ours)
+            await asyncio.to_thread(commit.check_still_ours)
         except LeaseLostError:
-            self._end(abort=False)  # what is left is recovery's
-            if self._lease is not None:
-                self._lease.stop()
+            self._end(abort=False)  # what is left is recovery's (the lease stopped)
             raise
         ms = self._metadata_store
         if ms is not None:  # as Orbax's own finalize: the commit time into the StepMetadata
@@ -643,138 +586,14 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
                 commit_timestamp_nsecs=time.time_ns(),
             )
             await asyncio.to_thread(ms.wait_until_finished)
-        if self._txn is not None:
-            await asyncio.to_thread(self._commit_staged)
-        else:
-            await asyncio.to_thread(self._commit_in_place)
-
-    def _check_still_ours(self) -> None:
-        """:class:`LeaseLostError` if recovery took this attempt away: its staging
-        directory is gone, or (in place) its claim is gone or another attempt's."""
-        store = self._store()
-        assert self._name is not None
-        if self._txn is not None:
-            if not os.path.isdir(store.driver.path(self._txn.prefix)):
-                raise LeaseLostError(
-                    f"refusing to commit {store.driver.describe(self._name)}: its staging directory "
-                    "is gone (recovery removed it: this writer was declared dead)", name=self._name)
-            return
-        holder = _read_claim(store, self._name)
-        if holder is None or holder["attempt"] != self._attempt:
-            self._claimed = False  # not ours (any more): never remove it
-            raise LeaseLostError(
-                f"refusing to commit {store.driver.describe(self._name)}: its claim is gone or another "
-                "attempt's (this writer was declared dead and its step cleaned up)", name=self._name)
-
-    def _commit_staged(self) -> None:
-        txn = self._txn
-        assert txn is not None
         try:
-            staging = txn.store.driver.path(txn.prefix)
-            try:
-                _write_durable(os.path.join(staging, COMMIT_SUCCESS_FILE),
-                               f"Checkpoint commit was successful to {self._final}".encode())
-                files = _scan_staged(staging)
-            except OSError as exc:
-                if not os.path.isdir(staging):  # only recovery removes it, having fenced the lease
-                    raise LeaseLostError(
-                        f"refusing to commit {txn.store.driver.describe(txn.name)}: its staging "
-                        "directory is gone (recovery removed it: this writer was declared dead)",
-                        name=txn.name) from None
-                raise StorageError(f"could not read back what Orbax wrote in {staging}: {exc}") from exc
-            for path, entry in sorted(files.items()):
-                txn.adopt(path, entry.size, entry.crc32c)
-        except BaseException:
-            self._end(abort=True)  # nothing was committed; nobody else writes the staging
-            raise
-        try:
-            txn.commit()  # manifest, fsyncs, lease check, rename(NOREPLACE), fsync of the root
+            if isinstance(commit, StagedCommit):
+                success = f"Checkpoint commit was successful to {self._final}".encode()  # Orbax's own text
+                await asyncio.to_thread(commit.publish, success)
+            else:
+                await asyncio.to_thread(commit.publish)
         finally:
-            self._end(abort=False)
-
-    def _commit_in_place(self) -> None:
-        lease = self._lease
-        assert lease is not None and self._name is not None and self._attempt is not None
-        store = self._store()
-        d = store.driver
-        name = self._name
-        try:
-            self._check_still_ours()
-            files = _in_place_files(store, name)
-            doc = {"format": COMMIT_FORMAT, "layout": "in-place", "name": name, "attempt": self._attempt,
-                   "writer": store.writer_id, "orbax_version": ORBAX_VERSION, "committed": time.time(),
-                   "files": {p: {"size": e.size, "crc32c": f"{e.crc32c:08x}"} for p, e in sorted(files.items())}}
-            marker = json.dumps(doc, sort_keys=True, indent=0).encode()
-            lease.check()  # a writer declared dead must not commit; nothing is written after it
-        except LeaseLostError:
-            self._end(abort=False)  # the step is recovery's now
-            lease.stop()
-            raise
-        except BaseException:
-            self._end(abort=True)  # nothing was committed; this attempt holds the claim
-            raise
-        key = f"{name}/{MARKER_FILE}"
-        written: str | None
-        try:
-            # the commit point: ifGenerationMatch=0 / If-None-Match
-            written = d.put(key, marker, exclusive=True)
-        except AlreadyExistsError:
-            # another writer's marker, or our own first try landed and only its reply was
-            # lost (the retry was refused): read the bytes back to know which
-            ours, written = _holds(store, key, marker)
-            if not ours:
-                self._end(abort=False)
-                lease.release()
-                raise CommitConflictError(
-                    f"step {d.describe(name)} was committed by another writer", name=name) from None
-        except BaseException as exc:
-            # a timeout, or retries exhausted: the write may have landed (then we committed)
-            # or may still land, so the attempt is kept (its lease object too, so that
-            # recovery waits ttl + grace) for recovery to judge
-            ours, written = _holds(store, key, marker) if isinstance(exc, Exception) else (False, None)
-            if not ours:
-                self._end(abort=False)
-                lease.stop()
-                raise
-        if written is None:  # a store that does not report generations
-            written = _holds(store, key, marker)[1]
-        try:
-            self._check_committed_step(store, files, written)
-        except LeaseLostError:
-            self._end(abort=False)
-            lease.stop()
-            raise
-        self._end(abort=False)
-        lease.release()
-
-    def _check_committed_step(self, store: Store, files: Mapping[str, FileEntry], written: str | None) -> None:
-        """After the marker landed (as the core marker protocol does after its PUT): the
-        claim must still be this attempt's and every file it records still there. A writer
-        declared dead whose PUT was delayed past ``lease_ttl + grace`` lands its marker on a
-        step recovery has removed (files, then claim): then the marker is taken back,
-        conditionally on the generation just written, and :class:`LeaseLostError` raised.
-        (Recovery removes such a marker too, if this writer dies before taking it back.)"""
-        assert self._name is not None
-        name, d = self._name, store.driver
-        holder = _read_claim(store, name)
-        claim_ours = holder is not None and holder["attempt"] == self._attempt
-        found = d.find(name) if claim_ours else {}
-        missing = [rel for rel, e in files.items()
-                   if (i := found.get(f"{name}/{rel}")) is None or i.size != e.size]
-        if claim_ours and not missing:
-            return
-        key = f"{name}/{MARKER_FILE}"
-        try:
-            if written is not None:
-                d.delete(key, if_generation=written)
-        except (PreconditionFailedError, NotFoundError):
-            pass  # replaced or removed meanwhile: not ours to touch
-        self._claimed = False
-        why = f"{len(missing)} of its files are gone" if claim_ours else "its claim is gone or another attempt's"
-        raise LeaseLostError(
-            f"{d.describe(name)}: this writer's commit marker landed after it was declared dead and "
-            f"its step removed by recovery ({why}): the marker was taken back, nothing committed",
-            name=name)
+            self._end(abort=False)  # committed, or discarded, or (outcome unknown) recovery's
 
     def abort(self) -> None:
         """Discard an attempt this process created and has not begun to finalize: its
@@ -799,17 +618,8 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
                     _LIVE.pop(str(self._tmp), None)
         if self._finalizer is not None:
             self._finalizer.detach()
-        if not abort:
-            return
-        if self._txn is not None:
-            self._txn.abort()
-        if self._lease is not None:
-            if self._claimed and self._name is not None:
-                try:
-                    _remove_in_place(self._store(), self._name, keep_claim=False)
-                except Exception:  # noqa: BLE001 - recovery removes what is left
-                    pass
-            self._lease.release()
+        if abort and self._commit is not None:
+            self._commit.abort()
 
     # -- what Orbax lists, restores and cleans up ----------------------------------------------
     @classmethod
@@ -828,16 +638,12 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         try:
             name = validate_name(path.name)
             store = cls.open_store(str(path.parent))
-            manifest = _committed_manifest(store, name)
-            found = store.driver.find(name)
+            manifest = committed_manifest(store, name)
+            damage = step_damage(store, name, manifest)
         except (NotFoundError, CorruptionError, InvalidArgumentError) as exc:
             raise ValidationError(f"{path} is not a committed atomicstore Orbax step: {exc}") from None
-        for rel, entry in manifest.files.items():
-            info = found.get(f"{name}/{rel}")
-            if info is None or info.size != entry.size or (
-                    info.crc32c is not None and info.crc32c != entry.crc32c):
-                why = "is missing" if info is None else "does not match its recorded size or CRC32C"
-                raise ValidationError(f"{path}: {rel} {why} (partly deleted or overwritten)")
+        if damage is not None:
+            raise ValidationError(f"{path}: {damage} (partly deleted or overwritten)")
         return manifest
 
     @classmethod
@@ -846,7 +652,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         uncommitted and not in flight (what Orbax's tmp cleanup may then delete): see
         :meth:`judge`."""
         judged = await asyncio.to_thread(cls.judge, temporary_path)
-        if judged.state != "stale":
+        if judged.state is not AttemptState.STALE:
             raise ValidationError(f"{temporary_path} is not a stale uncommitted attempt: {judged.reason}")
 
     @classmethod
@@ -857,22 +663,21 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         was written for ``grace`` seconds). Committed steps, saves in flight and anything
         not written by this integration are never stale."""
         path = str(epath.Path(temporary_path))
-        parts = _staging_parts(path)
+        parts = parse_staging_path(path)
         if parts is not None:
             root, name, attempt = parts
             store = cls.open_store(root)
-            prefix = store.strategy.attempt_prefix(name, attempt)
-            return _judge_staged(store, name, attempt, prefix, store.clock() if now is None else now)
+            return judge_staged(store, name, attempt, store.clock() if now is None else now)
         p = epath.Path(path)
         try:
             name = validate_name(p.name)
         except InvalidArgumentError:
-            return Judgement("foreign", "not a step name")
+            return Judgement(AttemptState.FOREIGN, "not a step name")
         store = cls.open_store(str(p.parent))
-        if not _in_place_store(store):
-            return Judgement("foreign", "committed steps and foreign directories are never temporary "
-                                        "(saves in flight live in .atomicstore/staging)")
-        return _judge_in_place(store, name, store.clock() if now is None else now)
+        if not writes_in_place(store):
+            return Judgement(AttemptState.FOREIGN, "committed steps and foreign directories are never temporary "
+                                                   "(saves in flight live in .atomicstore/staging)")
+        return judge_in_place(store, name, store.clock() if now is None else now)
 
     # -- maintenance ----------------------------------------------------------------------------
     @classmethod
@@ -899,23 +704,8 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         if now is not None and (isinstance(now, bool) or not isinstance(now, int | float)):
             raise InvalidArgumentError("now must be Unix seconds")
         store = cls.open_store(directory)
-        actions: list[RecoveryAction] = []
-        young: list[str] = []
         when = store.clock() if now is None else float(now)
-        g = store.grace if grace is None else float(grace)
-        for e in sorted(store.driver.listdir(""), key=lambda e: e.name):
-            try:
-                name = validate_name(e.name)
-            except InvalidArgumentError:
-                continue
-            if not e.is_dir:
-                continue
-            if _in_place_store(store):
-                act = _recover_in_place(store, name, when, g, dry_run, young)
-            else:
-                act = _recover_empty_step(store, name, when, g, dry_run, young)
-            if act is not None:
-                actions.append(act)
+        actions, young = recover_steps(store, when, store.grace if grace is None else float(grace), dry_run)
         report = store.recover(dry_run=dry_run, grace=grace, now=now)
         report.actions[:0] = actions
         report.in_flight.extend(young)
@@ -928,20 +718,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         :class:`~atomicstore.NotFoundError` if the step is not committed."""
         path = epath.Path(final_path)
         name = validate_name(path.name)
-        store = cls.open_store(str(path.parent))
-        manifest = _committed_manifest(store, name)
-        if not _in_place_store(store):
-            return store.verify(name)
-        found = store.driver.find(name)
-        for rel, entry in sorted(manifest.files.items()):
-            key = f"{name}/{rel}"
-            if key not in found:
-                raise ChecksumMismatchError(f"{store.driver.describe(key)}: file is missing", path=rel)
-            h = Crc32cHasher()
-            for chunk in store.driver.iter_read(key):
-                h.update(chunk)
-            entry.check(rel, h.size, h.value, where=store.driver.describe(key))
-        return manifest
+        return verify_step(cls.open_store(str(path.parent)), name)
 
 
 class StepConflictError(CommitConflictError, _ocp_checkpoint_manager.StepAlreadyExistsError):  # type: ignore[misc]
@@ -988,16 +765,16 @@ def _take_over_empty_step(cls: Any, path: Any) -> str | None:
         store = cls.open_store(str(path.parent))
     except AtomicStoreError:
         return exists
-    empty = _judge_empty_step(store, name, store.clock(), store.grace)
+    empty = judge_empty_step(store, name, store.clock(), store.grace)
     if empty is None:
         return exists
-    if empty.state != "stale":
+    if empty.state is not EmptyState.STALE:
         return (f"is an empty directory ({empty.reason}): another saver may be about to write into it. "
                 f"A save takes it over, and AtomicTemporaryPath.recover removes it, once it is untouched "
                 f"for grace={store.grace:.0f}s and no save of it holds a lease; delete it if it is yours")
-    if not _remove_empty_step(store, empty):
+    if not remove_empty_step(store, empty):
         return "was written into while this save was taking over its empty directory"
-    log.info("took over the empty step directory %s (%s)", store.driver.describe(name), empty.reason)
+    log.info("took over the empty step directory %s (%s)", describe(store, name), empty.reason)
     return None
 
 
@@ -1008,7 +785,7 @@ def _record_of(cls: Any, path: Any) -> tuple[str, float] | None:
         return None
     try:
         store = cls.open_store(str(path.parent))
-        manifest = _committed_manifest(store, validate_name(path.name))
+        manifest = committed_manifest(store, validate_name(path.name))
     except (NotFoundError, CorruptionError, InvalidArgumentError):
         return None
     return manifest.attempt, float(manifest.committed or manifest.created)
@@ -1124,11 +901,6 @@ def _root_string(directory: Any) -> str:
     return s.rstrip("/") if len(s) > 1 else s
 
 
-def _in_place_store(store: Store) -> bool:
-    """Object stores (no atomic rename): Orbax writes in place."""
-    return isinstance(store.strategy, MarkerStrategy)
-
-
 def _check_single_process() -> None:
     import jax
 
@@ -1136,22 +908,6 @@ def _check_single_process() -> None:
         raise InvalidArgumentError(
             "AtomicTemporaryPath supports one JAX process: multi-host Orbax saves are not "
             "supported by this integration")
-
-
-def _staging_parts(path: str) -> tuple[str, str, str] | None:
-    """(store root, name, attempt) if ``path`` is ``<root>/.atomicstore/staging/<name>.<attempt>``."""
-    head, _, leaf = path.rstrip("/").rpartition("/")
-    reserved, _, staging = head.rpartition("/")
-    if staging != STAGING.rsplit("/", 1)[1] or not reserved.endswith("/" + RESERVED_DIR):
-        return None
-    name, dot, attempt = leaf.rpartition(".")
-    if not dot or not name or not attempt:
-        return None
-    try:
-        validate_name(name)
-    except InvalidArgumentError:
-        return None
-    return reserved[: -len(RESERVED_DIR) - 1], name, attempt
 
 
 def _item_step(parent: str) -> AtomicTemporaryPath | None:
@@ -1179,469 +935,8 @@ def _item_step(parent: str) -> AtomicTemporaryPath | None:
                               "which one this item belongs to", name=epath.Path(parent).name)
 
 
-def _probe(store: Store, name: str) -> tuple[str, str | None] | None:
-    """What is at step ``name`` as a save of it begins (from_final), to tell at its create
-    whether Orbax's ``force=True`` deleted it in between: ``("step", None)`` (a directory,
-    on disk), ``("committed" | "claimed", claim generation)`` (object stores), None."""
-    d = store.driver
-    try:
-        if not _in_place_store(store):
-            return ("step", None) if os.path.isdir(d.path(name)) else None
-        gen = d.info(f"{name}/{CLAIM_FILE}").generation  # nothing there: one request
-        return ("committed" if d.exists(f"{name}/{MARKER_FILE}") else "claimed"), gen
-    except (NotFoundError, StorageError, OSError):
-        return None
-
-
 def _detached(cls: type[AtomicTemporaryPath], parent: str) -> AtomicTemporaryPath:
     """A stand-in step for an item whose step is not in flight in this process."""
     step = cls(final=parent, tmp=parent, root=None, name=None, attempt=None)
     step._created.set()
     return step
-
-
-def _write_durable(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        mv = memoryview(data)
-        while mv:
-            mv = mv[os.write(fd, mv):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _scan_staged(staging: str) -> dict[str, FileEntry]:
-    """Size and CRC32C of every file Orbax wrote below ``staging``, read once in parallel
-    and fsynced. Orbax's ``commit_success.txt`` is not a file of the manifest (its name
-    is reserved): its presence follows from the commit."""
-    paths: list[tuple[str, str]] = []
-    for dirpath, _dirs, files in os.walk(staging):
-        for fn in files:
-            full = os.path.join(dirpath, fn)
-            rel = os.path.relpath(full, staging).replace(os.sep, "/")
-            if rel != COMMIT_SUCCESS_FILE:
-                paths.append((validate_path(rel, what="file Orbax wrote"), full))
-
-    def one(item: tuple[str, str]) -> tuple[str, FileEntry]:
-        rel, full = item
-        fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise StorageError(f"{full} is not a regular file")
-            # read in 8 MiB pieces into one buffer (not mapped: a file truncated behind our
-            # back would be a SIGBUS, not an error); the size is what was read
-            value, size = 0, 0
-            buf = bytearray(8 << 20)
-            with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-                while n := f.readinto(buf):
-                    value = crc32c(memoryview(buf)[:n], value)
-                    size += n
-            if size != st.st_size:
-                raise StorageError(f"{full} changed size while it was checksummed")
-            os.fsync(fd)  # durable before the commit point (directories: by the commit)
-        finally:
-            os.close(fd)
-        return rel, FileEntry(size, value)
-
-    if not paths:
-        return {}
-    with concurrent.futures.ThreadPoolExecutor(min(8, len(paths))) as pool:
-        return dict(pool.map(one, paths))
-
-
-def _skip_in_place(rel: str) -> bool:
-    """Keys below an in-place step that are not Orbax's files: marker, claim, and the
-    atomicstore attempts of other writers (never written by this integration)."""
-    return rel in (MARKER_FILE, CLAIM_FILE) or rel.startswith(ATTEMPT_PREFIX)
-
-
-def _in_place_files(store: Store, name: str) -> dict[str, FileEntry]:
-    """Size and CRC32C of every Orbax file of an in-place step, from a fresh listing (the
-    store's own CRC32C where it reports one, else read back)."""
-    out: dict[str, FileEntry] = {}
-    unknown: list[tuple[str, str]] = []
-    for key, info in store.driver.find(name).items():
-        rel = key[len(name) + 1:]
-        if _skip_in_place(rel):
-            continue
-        validate_path(rel, what="file Orbax wrote")
-        if info.crc32c is not None:
-            out[rel] = FileEntry(info.size, info.crc32c)
-        else:
-            unknown.append((rel, key))
-
-    def read(item: tuple[str, str]) -> tuple[str, FileEntry]:
-        rel, key = item
-        h = Crc32cHasher()
-        for chunk in store.driver.iter_read(key):
-            h.update(chunk)
-        return rel, FileEntry(h.size, h.value)
-
-    if unknown:
-        with concurrent.futures.ThreadPoolExecutor(min(8, len(unknown))) as pool:
-            out.update(pool.map(read, unknown))
-    return out
-
-
-def _committed_manifest(store: Store, name: str) -> Manifest:
-    """The manifest of a committed Orbax step (on object stores, from its marker):
-    :class:`NotFoundError` if it is not committed, :class:`CorruptionError` if its record
-    is malformed or it is not an Orbax step written by this integration."""
-    if not _in_place_store(store):
-        manifest = store.open(name).manifest
-        meta = manifest.metadata.get(METADATA_KEY)
-        if not isinstance(meta, dict) or meta.get("format") != COMMIT_FORMAT or meta.get("layout") != "staged":
-            raise CorruptionError(f"{store.driver.describe(name)}: not an Orbax step written through atomicstore")
-        return manifest
-    key = f"{name}/{MARKER_FILE}"
-    where = store.driver.describe(key)
-    try:
-        size = store.driver.info(key).size
-    except NotFoundError:
-        raise NotFoundError(f"no committed step {store.driver.describe(name)}") from None
-    if size > _MAX_MARKER_BYTES:
-        raise CorruptionError(f"{where}: {size} bytes, larger than the {_MAX_MARKER_BYTES} allowed", path=key)
-    return _parse_marker(store.driver.read(key), name, where)
-
-
-def _parse_marker(raw: bytes, name: str, where: str) -> Manifest:
-    """An object-store step's ``commit_success.txt`` (read from storage: hostile)."""
-    if len(raw) > _MAX_MARKER_BYTES:
-        raise CorruptionError(f"{where}: {len(raw)} bytes, larger than the {_MAX_MARKER_BYTES} allowed")
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise CorruptionError(f"{where}: not an atomicstore Orbax commit record (stock Orbax's marker?)") from None
-    try:
-        if not isinstance(doc, dict) or doc.get("format") != COMMIT_FORMAT or doc.get("layout") != "in-place":
-            raise TypeError("not an atomicstore Orbax commit record")
-        if doc.get("name") != name:
-            raise TypeError(f"it names step {doc.get('name')!r}")
-        attempt, writer, committed = doc["attempt"], doc["writer"], doc["committed"]
-        if not (isinstance(attempt, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,100}", attempt)):
-            raise TypeError("bad attempt")
-        if not isinstance(writer, str) or isinstance(committed, bool) or not isinstance(committed, int | float):
-            raise TypeError("bad writer or time")
-        raw_files = doc["files"]
-        if not isinstance(raw_files, dict):
-            raise TypeError("files is not an object")
-        files = {}
-        for p, e in raw_files.items():
-            validate_path(p)
-            if _skip_in_place(p) or not isinstance(e, dict):
-                raise TypeError(f"bad entry {p!r}")
-            size, crc = e.get("size"), e.get("crc32c")
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise TypeError(f"bad size for {p!r}")
-            if not isinstance(crc, str) or not re.fullmatch(r"[0-9a-f]{8}", crc):
-                raise TypeError(f"bad crc32c for {p!r}")
-            files[p] = FileEntry(size, int(crc, 16))
-    except (KeyError, TypeError, InvalidArgumentError) as exc:
-        raise CorruptionError(f"{where}: malformed commit record ({exc})", path=MARKER_FILE) from None
-    return Manifest(name=name, attempt=attempt, writer=writer, created=float(committed), files=files,
-                    metadata={METADATA_KEY: {"format": COMMIT_FORMAT, "layout": "in-place",
-                                             "orbax_version": str(doc.get("orbax_version", ""))}},
-                    committed=float(committed))
-
-
-def _holds(store: Store, key: str, data: bytes) -> tuple[bool, str | None]:
-    """(True, its generation) if ``key`` holds exactly ``data`` now (a write whose outcome
-    was unclear), else (False, None). The generation is read first: a conditional delete
-    on it fails if the object changed after."""
-    try:
-        gen = store.driver.info(key).generation
-        if store.driver.read(key) != data:
-            return False, None
-    except (NotFoundError, StorageError):
-        return False, None
-    return True, gen
-
-
-def _read_claim(store: Store, name: str) -> dict[str, Any] | None:
-    """The claim of an in-place step (validated), None if absent or unreadable."""
-    try:
-        raw = store.driver.read(f"{name}/{CLAIM_FILE}", 0, _MAX_CLAIM_BYTES + 1)
-    except NotFoundError:
-        return None
-    if len(raw) > _MAX_CLAIM_BYTES:
-        return None
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if not (isinstance(doc, dict) and doc.get("format") == _CLAIM_FORMAT and doc.get("name") == name
-            and isinstance(doc.get("attempt"), str) and isinstance(doc.get("writer"), str)
-            and re.fullmatch(r"[A-Za-z0-9_-]{1,100}", doc["attempt"])):
-        return None
-    return doc
-
-
-def _lease_state(store: Store, name: str, attempt: str, now: float, grace: float
-                 ) -> tuple[str, str | None]:
-    """("alive" | "expired" | "none", generation) of an attempt's lease, read now: the
-    commit layer's one rule (:func:`atomicstore.commit.lease.lease_state`)."""
-    state, gen = lease_state(store.driver, name, attempt, now, grace)
-    return {LeaseState.LIVE: "alive", LeaseState.EXPIRED: "expired", LeaseState.GONE: "none"}[state], gen
-
-
-def _judge_staged(store: Store, name: str, attempt: str, prefix: str, now: float) -> Judgement:
-    """A staging directory (rename backends): stale iff its lease expired, or it has none
-    and nothing below it was written within ``grace``."""
-    d = store.driver
-    if prefix.rsplit("/", 1)[1] not in {e.name for e in d.listdir(STAGING)}:
-        return Judgement("foreign", "no such attempt")
-    lease, gen = _lease_state(store, name, attempt, now, store.grace)
-    if lease == "alive":
-        return Judgement("in_flight", "its lease is alive", attempt, gen, True)
-    listing = d.find(prefix)
-    mtimes = [i.mtime for i in listing.values() if i.mtime is not None]
-    try:
-        mtimes.append(os.stat(d.path(prefix)).st_mtime)  # the directory itself (local disk)
-    except OSError:
-        pass
-    if lease == "none" and max(mtimes, default=now) + store.grace > now:
-        return Judgement("in_flight", f"no lease, written to within {store.grace:.0f}s", attempt)
-    return Judgement("stale", f"uncommitted, lease {lease}", attempt, gen, lease == "expired",
-                     keys=sorted(listing))
-
-
-def _judge_in_place(store: Store, name: str, now: float, grace: float | None = None) -> Judgement:
-    """An in-place step (object stores): stale iff it holds this integration's claim, has
-    no marker, and its attempt's lease expired (or it has none and nothing was written
-    within ``grace``). A step without a claim is not this integration's to judge (stock
-    Orbax's, Orbax's root metadata, a user's directory)."""
-    d = store.driver
-    g = store.grace if grace is None else grace
-    claim_key = f"{name}/{CLAIM_FILE}"
-    try:
-        claim_gen = d.info(claim_key).generation  # the generation first: a change after shows
-    except NotFoundError:
-        return Judgement("foreign", "no atomicstore claim: not an attempt of this integration")
-    claim = _read_claim(store, name)
-    if claim is None:
-        return Judgement("foreign", "unreadable claim: left alone")
-    attempt = claim["attempt"]
-    if d.exists(f"{name}/{MARKER_FILE}"):
-        return Judgement("committed", "it has a commit marker", attempt)
-    lease, gen = _lease_state(store, name, attempt, now, g)
-    if lease == "alive":
-        return Judgement("in_flight", "its lease is alive", attempt, gen, True, claim_gen)
-    listing = d.find(name)
-    newest = max(((i.mtime if i.mtime is not None else now) for i in listing.values()), default=0.0)
-    if lease == "none" and newest + g > now:
-        return Judgement("in_flight", f"no lease, written to within {g:.0f}s", attempt, None, False, claim_gen)
-    return Judgement("stale", f"uncommitted, lease {lease}", attempt, gen, lease == "expired", claim_gen,
-                     sorted(listing))
-
-
-def _remove_in_place(store: Store, name: str, *, keep_claim: bool,
-                     claim_generation: str | None = None) -> int:
-    """Remove the Orbax files of an uncommitted in-place step, then, unless
-    ``keep_claim``, its claim (only at ``claim_generation`` if given)."""
-    d = store.driver
-    keys = [k for k in sorted(d.find(name), reverse=True) if not _skip_in_place(k[len(name) + 1:])]
-    for k in keys:
-        d.delete(k)
-    if not keep_claim:
-        try:
-            d.delete(f"{name}/{CLAIM_FILE}", if_generation=claim_generation)
-        except PreconditionFailedError:
-            pass  # another attempt's claim: not ours to remove
-    return len(keys)
-
-
-def _recover_in_place(store: Store, name: str, now: float, grace: float, dry_run: bool,
-                      young: list[str]) -> RecoveryAction | None:
-    j = _judge_in_place(store, name, now, grace)
-    if j.state == "foreign" and j.claim_generation is None:
-        return (_recover_dangling_marker(store, name, now, grace, dry_run)
-                or _recover_empty_step(store, name, now, grace, dry_run, young))
-    if j.state != "stale":
-        return None
-    why = f"uncommitted in-place Orbax step (attempt {j.attempt}): {j.reason}"
-    if dry_run:
-        return RecoveryAction("orbax", name, why, len(j.keys))
-    assert j.attempt is not None
-    d = store.driver
-    if j.lease_exists:  # fence: the dead writer's pre-commit lease check now fails
-        try:
-            d.delete(lease_key(name, j.attempt), if_generation=j.lease_generation)
-        except PreconditionFailedError:
-            return None  # renewed meanwhile: alive
-    if d.exists(f"{name}/{MARKER_FILE}"):
-        return None  # it committed right before the fence
-    try:
-        if d.info(f"{name}/{CLAIM_FILE}").generation != j.claim_generation:
-            return None  # another attempt took the step meanwhile
-    except NotFoundError:
-        return None
-    n = _remove_in_place(store, name, keep_claim=False, claim_generation=j.claim_generation)
-    # a marker of the dead writer landing during the removal (its PUT delayed in the network)
-    # names files that are gone now: take it back at once (its writer, if it still runs,
-    # does the same when it checks its step after the PUT)
-    _take_back_marker(store, name, j.attempt)
-    return RecoveryAction("orbax", name, why, n + 1)
-
-
-def _take_back_marker(store: Store, name: str, attempt: str) -> bool:
-    """Remove ``name``'s marker if it is this integration's record of ``attempt`` (at the
-    generation read with it); True if removed."""
-    d = store.driver
-    key = f"{name}/{MARKER_FILE}"
-    try:
-        gen = d.info(key).generation
-        raw = d.read(key, 0, _MAX_MARKER_BYTES + 1)
-        if _parse_marker(raw, name, d.describe(key)).attempt != attempt:
-            return False
-        d.delete(key, if_generation=gen)
-    except (NotFoundError, CorruptionError, PreconditionFailedError):
-        return False
-    return True
-
-
-def _recover_dangling_marker(store: Store, name: str, now: float, grace: float, dry_run: bool
-                             ) -> RecoveryAction | None:
-    """A step holding only this integration's marker, its claim and every file it records
-    gone: a writer declared dead whose marker PUT landed after recovery removed its step
-    (and which died before taking it back), or a delete that stopped before the marker.
-    Stock Orbax would list it and fail to restore it, and it blocks new saves of the step.
-    Once older than ``grace`` (its writer takes it back itself right after its PUT), it is
-    removed at the generation read, its record read afresh. A step whose files are only
-    partly gone is left alone (a committed step damaged by a plain delete: not provably
-    garbage)."""
-    d = store.driver
-    key = f"{name}/{MARKER_FILE}"
-    try:
-        info = d.info(key)
-        raw = d.read(key, 0, _MAX_MARKER_BYTES + 1)
-    except NotFoundError:
-        return None
-    try:
-        record = _parse_marker(raw, name, d.describe(key))
-    except CorruptionError:
-        return None  # stock Orbax's marker, or not ours: never touched
-    if (info.mtime if info.mtime is not None else now) + grace > now:
-        return None
-    if d.exists(f"{name}/{CLAIM_FILE}"):
-        return None
-    found = d.find(name)
-    if any(f"{name}/{rel}" in found for rel in record.files):
-        return None
-    why = f"commit marker of attempt {record.attempt} whose claim and files are gone"
-    if not dry_run:
-        try:
-            d.delete(key, if_generation=info.generation)
-        except (PreconditionFailedError, NotFoundError):
-            return None  # changed meanwhile: the next pass decides
-    return RecoveryAction("marker", key, why, 1)
-
-
-@dataclass
-class _EmptyStep:
-    """A step directory holding no file, judged from storage read just now: ``state`` is
-    ``"stale"`` (untouched for ``grace`` and no live lease of the step: may be removed),
-    ``"young"`` or ``"leased"``. ``dirs``: what to remove, deepest first: on disk
-    ``(path, (st_dev, st_ino))`` of each directory, on object stores ``(placeholder key,
-    generation)`` of each zero-byte ``<dir>/`` object."""
-
-    name: str
-    state: str
-    reason: str
-    dirs: list[tuple[str, Any]] = field(default_factory=list)
-
-
-#: an "empty" tree with more directories than this is not judged (hostile input)
-_MAX_EMPTY_DIRS = 1000
-
-
-def _judge_empty_step(store: Store, name: str, now: float, grace: float) -> _EmptyStep | None:
-    """``name`` as an empty step directory, or None if it is not one: absent, not a
-    directory, or anything below it is not a directory (a file, a symlink; on object
-    stores an object that is not a zero-byte ``<dir>/`` placeholder). Committed steps are
-    never empty (a manifest or marker is a file)."""
-    d = store.driver
-    newest = 0.0
-    dirs: list[tuple[str, Any]] = []
-    if not _in_place_store(store):
-        top = d.path(name)
-        stack = [top]
-        seen: list[tuple[str, Any]] = []
-        while stack:
-            where = stack.pop()
-            try:
-                st = os.lstat(where)
-                if not stat.S_ISDIR(st.st_mode):
-                    return None
-                with os.scandir(where) as it:
-                    entries = list(it)
-            except OSError:
-                return None
-            newest = max(newest, st.st_mtime, st.st_ctime)
-            seen.append((where, (st.st_dev, st.st_ino)))
-            for e in entries:
-                if not e.is_dir(follow_symlinks=False) or len(seen) + len(stack) >= _MAX_EMPTY_DIRS:
-                    return None
-                stack.append(e.path)
-        dirs = sorted(seen, key=lambda x: x[0].count(os.sep), reverse=True)
-    else:
-        found = d.find(name)
-        if not found or len(found) > _MAX_EMPTY_DIRS:
-            return None
-        for key in found:
-            if found[key].size:
-                return None
-            try:
-                info = d.info(key + "/")  # a "directory": the zero-byte object <key>/
-            except NotFoundError:
-                return None  # a zero-byte file: not empty
-            newest = max(newest, info.mtime if info.mtime is not None else now)
-            dirs.append((key + "/", info.generation))
-        dirs.sort(key=lambda x: x[0].count("/"), reverse=True)
-    for lk in (parse_lease_key(k) for k in d.find(LEASES)):
-        if lk is not None and lk[0] == name and _lease_state(store, name, lk[1], now, grace)[0] == "alive":
-            return _EmptyStep(name, "leased", f"a save of it holds a live lease (attempt {lk[1]})", dirs)
-    age = now - newest
-    if newest + grace > now:
-        return _EmptyStep(name, "young", f"modified {max(age, 0.0):.0f}s ago, within grace={grace:.0f}s", dirs)
-    return _EmptyStep(name, "stale", f"untouched for {age:.0f}s, no live lease", dirs)
-
-
-def _recover_empty_step(store: Store, name: str, now: float, grace: float, dry_run: bool,
-                        young: list[str]) -> RecoveryAction | None:
-    """Remove ``name`` if it is a stale empty step directory; a younger one (or one whose
-    step holds a live lease) is added to ``young``."""
-    empty = _judge_empty_step(store, name, now, grace)
-    if empty is None:
-        return None
-    if empty.state != "stale":
-        young.append(name)
-        return None
-    if not dry_run and not _remove_empty_step(store, empty):
-        return None
-    why = f"empty step directory (no file: a crashed save's or a user's mkdir): {empty.reason}"
-    return RecoveryAction("orbax", name, why, len(empty.dirs))
-
-
-def _remove_empty_step(store: Store, empty: _EmptyStep) -> bool:
-    """Remove a stale empty step directory, each removal failing if anything was written
-    meanwhile: on disk ``rmdir`` bottom-up (which refuses a non-empty directory), each
-    directory first checked to be the one judged; on object stores each placeholder
-    deleted at the generation read (a file written meanwhile is another object: never
-    touched). True if all of it is gone."""
-    d = store.driver
-    for where, ident in empty.dirs:
-        try:
-            if not _in_place_store(store):
-                st = os.lstat(where)
-                if (st.st_dev, st.st_ino) != ident or not stat.S_ISDIR(st.st_mode):
-                    return False  # replaced since it was judged: another saver's
-                os.rmdir(where)
-            else:
-                d.delete(where, if_generation=ident)
-        except FileNotFoundError:
-            continue  # removed meanwhile (another recovery)
-        except (OSError, PreconditionFailedError):
-            return False  # written into, or re-created, since it was judged: left alone
-    return True
