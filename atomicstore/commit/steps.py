@@ -41,7 +41,9 @@ from .inplace import (
     COMMIT_FORMAT,
     METADATA_KEY,
     AttemptState,
+    InPlaceCommit,
     Judgement,
+    judge_in_place,
     read_record,
     recover_claimed,
     recover_dangling_marker,
@@ -51,7 +53,7 @@ from .inplace import (
 from .lease import LEASES, LeaseState, lease_state, parse_lease_key
 from .manifest import FileEntry, Manifest, crc32c
 from .names import MARKER_FILE, RESERVED_DIR, validate_name, validate_path
-from .recovery import RecoveryAction
+from .recovery import RecoveryAction, RecoveryReport
 from .store import Store
 from .strategies import STAGING
 from .transaction import Transaction
@@ -86,10 +88,14 @@ def parse_staging_path(path: str) -> tuple[str, str, str] | None:
 class StagedCommit:
     """One attempt at committing a step the library writes into a staging directory
     (rename backends): a :class:`~atomicstore.commit.Transaction` whose files are adopted
-    at :meth:`publish`. ``version`` (the library's release) is recorded in the manifest."""
+    at :meth:`publish`. ``version`` (the library's release) is recorded in the manifest,
+    ``mode`` given to the staging directory, ``success`` written as its
+    ``commit_success.txt``."""
 
-    def __init__(self, store: Store, name: str, attempt: str, *, version: str = "") -> None:
+    def __init__(self, store: Store, name: str, attempt: str, *, version: str = "",
+                 mode: int | None = None, success: bytes = b"") -> None:
         self.store, self.name, self.attempt, self.version = store, name, attempt, version
+        self.mode, self.success = mode, success
         self.txn: Transaction | None = None
 
     @property
@@ -102,18 +108,18 @@ class StagedCommit:
         """The local staging directory."""
         return staging_path(self.store, self.name, self.attempt)
 
-    def begin(self, mode: int | None = None) -> None:
+    def begin(self) -> None:
         """Take the step (a committed one: :class:`~atomicstore.CommitConflictError`), then
-        the lease, before any data; create the staging directory (with ``mode``)."""
+        the lease, before any data; create the staging directory."""
         meta = {METADATA_KEY: {"format": COMMIT_FORMAT, "layout": "staged", "orbax_version": self.version}}
         # a committed name: CommitConflictError here; then the lease, before any data
         txn = Transaction(self.store, self.name, metadata=meta, attempt=self.attempt)
         self.txn = txn
         d = self.store.driver
         d.makedirs(txn.prefix)
-        if mode is not None:
+        if self.mode is not None:
             try:
-                os.chmod(d.path(txn.prefix), mode)
+                os.chmod(d.path(txn.prefix), self.mode)
             except OSError as exc:
                 raise StorageError(f"could not chmod {d.describe(txn.prefix)}: {exc}") from exc
 
@@ -128,7 +134,7 @@ class StagedCommit:
         if not os.path.isdir(self.path):
             raise self._lost()
 
-    def publish(self, success: bytes) -> None:
+    def publish(self) -> None:
         """Write the library's success file (``commit_success.txt``, durably), read every
         file back once and adopt it, and commit: manifest, fsyncs, lease check,
         ``rename(NOREPLACE)``, fsync of the root. Before the commit, a failure discards
@@ -138,7 +144,7 @@ class StagedCommit:
         try:
             staging = self.path
             try:
-                write_durable(os.path.join(staging, MARKER_FILE), success)
+                write_durable(os.path.join(staging, MARKER_FILE), self.success)
                 files = scan_staged(staging)
             except OSError as exc:
                 if not os.path.isdir(staging):  # only recovery removes it, having fenced the lease
@@ -160,6 +166,34 @@ class StagedCommit:
             self.txn.abort()
 
     abandon = abort
+
+
+#: the commit of one attempt at a step, either layout
+StepCommit = StagedCommit | InPlaceCommit
+
+
+def step_commit(store: Store, name: str, attempt: str, *, version: str = "", mode: int | None = None,
+                success: bytes = b"") -> StepCommit:
+    """The commit of one attempt at step ``name``: in place on object stores (no
+    directories there, and the marker is the record: ``mode`` and ``success`` unused),
+    staged elsewhere. Call ``begin()`` before the library writes, then ``publish()`` or
+    ``abort()``."""
+    if writes_in_place(store):
+        return InPlaceCommit(store, name, attempt, version=version)
+    return StagedCommit(store, name, attempt, version=version, mode=mode, success=success)
+
+
+def abandon_attempt(commit: StepCommit, pid: int) -> None:
+    """An attempt dropped without publish or abort (its save failed, or the process
+    exits): stop its lease; what it wrote is left to recovery (or, staged, removed now).
+    Nothing in a forked child (whose exit runs the finalizers it inherited): the attempt is
+    its parent's, still in flight there (``pid``)."""
+    if os.getpid() != pid:
+        return
+    try:
+        commit.abandon()
+    except Exception:  # noqa: BLE001 - best effort; recovery removes what is left
+        pass
 
 
 def write_durable(path: str, data: bytes) -> None:
@@ -214,10 +248,11 @@ def scan_staged(staging: str) -> dict[str, FileEntry]:
         return dict(pool.map(one, paths))
 
 
-def judge_staged(store: Store, name: str, attempt: str, now: float) -> Judgement:
+def judge_staged(store: Store, name: str, attempt: str, now: float | None = None) -> Judgement:
     """A staging directory (rename backends): stale iff its lease expired, or it has none
     and nothing below it was written within ``grace``."""
     d = store.driver
+    now = store.clock() if now is None else now
     prefix = store.strategy.attempt_prefix(name, attempt)
     if prefix.rsplit("/", 1)[1] not in {e.name for e in d.listdir(STAGING)}:
         return Judgement(AttemptState.FOREIGN, "no such attempt")
@@ -234,6 +269,15 @@ def judge_staged(store: Store, name: str, attempt: str, now: float) -> Judgement
         return Judgement(AttemptState.IN_FLIGHT, f"no lease, written to within {store.grace:.0f}s", attempt)
     return Judgement(AttemptState.STALE, f"uncommitted, lease {_LEASE_WORD[lease]}", attempt, gen,
                      lease is LeaseState.EXPIRED, keys=sorted(listing))
+
+
+def judge_step(store: Store, name: str, now: float | None = None) -> Judgement:
+    """The step directory ``name`` as an attempt: on object stores see
+    :func:`~atomicstore.commit.inplace.judge_in_place`; elsewhere never one."""
+    if not writes_in_place(store):
+        return Judgement(AttemptState.FOREIGN, "committed steps and foreign directories are never temporary "
+                                               "(saves in flight live in .atomicstore/staging)")
+    return judge_in_place(store, name, store.clock() if now is None else now)
 
 
 # -- what is at a step ---------------------------------------------------------------------
@@ -431,6 +475,35 @@ def recover_empty_step(store: Store, name: str, now: float, grace: float, dry_ru
     return RecoveryAction("orbax", name, why, len(empty.dirs))
 
 
+def recover_root(store: Store, *, dry_run: bool = False, grace: float | None = None,
+                 now: float | None = None) -> RecoveryReport:
+    """Recover a root of steps: on object stores, first remove each claimed in-place step
+    that is provably uncommitted and dead (its expired lease fenced first, so the dead
+    writer can never commit; its objects removed; the claim last, so that no new attempt
+    takes the step before it is empty) and each marker of this layout older than ``grace``
+    whose claim and files are all gone (a dead writer's marker that landed late:
+    ``kind="marker"``); on every backend, each empty step directory (no file anywhere below
+    it: a crash's leftover or a user's ``mkdir``; on GCS only zero-byte ``<step>/``
+    placeholders) untouched for ``grace`` seconds and with no live lease of its step,
+    removed so that it can only fail if anything was written into it meanwhile (``rmdir``
+    bottom-up, placeholders at the generation read); then ``store.recover()`` (stale
+    staging, dead leases, orphaned uploads). Returns that report, with these removals
+    first (``kind="orbax"``); a younger empty step directory is listed in ``in_flight``
+    (another saver may be about to write into it)."""
+    if not isinstance(dry_run, bool):
+        raise InvalidArgumentError("dry_run must be a bool")
+    if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int | float) or grace < 0):
+        raise InvalidArgumentError("grace must be a non-negative number of seconds")
+    if now is not None and (isinstance(now, bool) or not isinstance(now, int | float)):
+        raise InvalidArgumentError("now must be Unix seconds")
+    when = store.clock() if now is None else float(now)
+    actions, young = recover_steps(store, when, store.grace if grace is None else float(grace), dry_run)
+    report = store.recover(dry_run=dry_run, grace=grace, now=now)
+    report.actions[:0] = actions
+    report.in_flight.extend(young)
+    return report
+
+
 def recover_steps(store: Store, now: float, grace: float, dry_run: bool) -> tuple[list[RecoveryAction], list[str]]:
     """(what was removed, empty step directories left as maybe in use) over every step
     of the root: on object stores claimed steps provably uncommitted and dead, then
@@ -464,16 +537,21 @@ __all__ = [
     "EmptyStep",
     "FoundStep",
     "StagedCommit",
+    "StepCommit",
+    "abandon_attempt",
     "committed_manifest",
     "judge_empty_step",
     "judge_staged",
+    "judge_step",
     "parse_staging_path",
     "probe_step",
     "recover_empty_step",
+    "recover_root",
     "recover_steps",
     "remove_empty_step",
     "scan_staged",
     "staging_path",
+    "step_commit",
     "step_damage",
     "step_gone",
     "verify_step",

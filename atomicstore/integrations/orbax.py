@@ -25,56 +25,24 @@ plain asynchronous manager, a step that was there when its save began and is gon
 ``create`` is reported (:class:`ForcedOverwriteWarning`), too late to keep it.
 
 A step ``<root>/<step>`` is saved by one attempt under a lease, in the atomicstore store
-at ``<root>``:
+at ``<root>``, committed by the commit layer: on rename backends (local disk) Orbax writes
+into the attempt's staging directory, adopted into a transaction at ``finalize``
+(``atomicstore.commit.steps``); on object stores Orbax's readers want the items directly
+under ``<step>/``, so the attempt writes in place, takes the step with a claim
+``<step>/atomicstore-claim.json`` before any byte, and commits with a conditional create of
+``<step>/commit_success.txt`` (Orbax's own marker name) recording every file
+(``atomicstore.commit.inplace``). A second writer of a step is refused
+(:class:`~atomicstore.CommitConflictError`) before it writes anything; a writer declared dead
+never commits (:class:`~atomicstore.LeaseLostError`).
 
-* **rename backends (local disk)**: the attempt is an atomicstore transaction named
-  ``<step>``. Orbax writes into its staging directory
-  ``<root>/.atomicstore/staging/<step>.<attempt>/`` (so Orbax's listing and its tmp
-  cleanup never see a save in flight, and the lease keeps recovery away). ``finalize``
-  writes Orbax's ``commit_success.txt``, reads every file back once (size and CRC32C,
-  then ``fsync``), adopts them into the manifest and commits: ``manifest.json``, every
-  directory fsynced, the lease checked, ``renameat2(RENAME_NOREPLACE)`` onto
-  ``<root>/<step>/``, the root fsynced. Stock Orbax lists and restores the step (it
-  ignores ``manifest.json``); ``store.list()``/``verify`` see an ordinary checkpoint.
-* **object stores (GCS)**: Orbax's readers want the items directly under ``<step>/`` and
-  treat every subdirectory of a step as an item, so the attempt writes in place, as
-  Orbax's own ``CommitFileTemporaryPath`` does, and keeps nothing of its own in a
-  subdirectory. Before any byte, ``create`` writes the attempt's lease and takes the step
-  with a conditional create (``ifGenerationMatch=0``) of ``<step>/atomicstore-claim.json``
-  naming the attempt: a second writer of the step is refused there
-  (:class:`~atomicstore.CommitConflictError`) before it writes anything. ``finalize``
-  lists the step (GCS reports each object's CRC32C; other stores are read back), checks
-  the claim and the lease, and commits with the conditional create of the non-empty
-  ``<step>/commit_success.txt`` (Orbax's own marker name, so stock Orbax recognises the
-  step), which is atomicstore's record of the step: attempt, writer, and the size and
-  CRC32C of every file. A refused create whose bytes turn out to be ours (a lost reply)
-  is a commit; another writer's marker is :class:`~atomicstore.CommitConflictError`.
-  After the marker landed, the claim and the files are checked once more: a writer
-  declared dead whose marker PUT was delayed past its lease (recovery removed its step
-  meanwhile) deletes its marker again and raises :class:`~atomicstore.LeaseLostError`.
-
-``validate_final`` (what Orbax lists and restores) accepts a step only if its manifest or
-marker is intact and every file it names is present, read afresh, with its recorded size
-(and CRC32C where the listing carries one). ``validate`` (what Orbax's
-``cleanup_tmp_directories`` deletes) accepts only attempts that are provably uncommitted
-and dead: an atomicstore staging directory, or a claimed in-place step without marker,
-whose lease is expired (or absent, with nothing written for ``grace`` seconds).
-
-After a crash ``store.recover()`` removes what a save left on local disk. On object
-stores it removes the dead lease but never Orbax's in-place files (the commit layer does
-not delete keys it does not own): :meth:`AtomicTemporaryPath.recover` runs
-``store.recover()`` and removes claimed in-place steps that are provably uncommitted and
-dead (the lease fenced first, the claim removed last), and markers of this integration
-whose claim and files are all gone (a dead writer's late marker). On every backend it
-also removes an *empty* step directory (no file below it: a crash's leftover or a user's
-``mkdir``) once untouched for ``grace`` seconds with no live lease of its step, so that
-the removal fails if anything was written into it meanwhile;
-:class:`AtomicCheckpointManager` takes such a directory over the same way instead of
-refusing the save. A younger one may be another saver's, about to write: it is left
-alone. On object stores one
-process saves a step once at a time: a second save of a step this process is creating or
-holding is refused as it begins (:class:`~atomicstore.CommitConflictError`).
-``docs/integrations.md`` ("Orbax") says what is and is not guaranteed.
+``validate_final`` (what Orbax lists and restores) accepts a step only if its record is
+intact and every file it names is present with its recorded size (and CRC32C where the
+listing carries one). ``validate`` (what Orbax's ``cleanup_tmp_directories`` deletes)
+accepts only attempts that are provably uncommitted and dead. After a crash,
+:meth:`AtomicTemporaryPath.recover` removes what saves left (in-place steps, late markers,
+empty step directories) and runs ``store.recover()``. On object stores one process saves a
+step once at a time: a second save of a step this process is creating or holding is refused
+as it begins. ``docs/integrations.md`` ("Orbax") says what is and is not guaranteed.
 
 Supported: ``orbax-checkpoint`` :data:`SUPPORTED_ORBAX` (tested), one JAX process.
 """
@@ -95,36 +63,11 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from ..commit import Manifest, Store, open_store
-from ..commit.inplace import (
-    CLAIM_FILE,
-    COMMIT_FORMAT,
-    METADATA_KEY,
-    AttemptState,
-    InPlaceCommit,
-    Judgement,
-    describe,
-    judge_in_place,
-    writes_in_place,
-)
+from ..commit import Manifest, Store, inplace, open_store, steps
+from ..commit.inplace import CLAIM_FILE, COMMIT_FORMAT, METADATA_KEY, AttemptState, Judgement
 from ..commit.names import MARKER_FILE, validate_name
 from ..commit.recovery import RecoveryReport
-from ..commit.steps import (
-    EmptyState,
-    FoundStep,
-    StagedCommit,
-    committed_manifest,
-    judge_empty_step,
-    judge_staged,
-    parse_staging_path,
-    probe_step,
-    recover_steps,
-    remove_empty_step,
-    staging_path,
-    step_damage,
-    step_gone,
-    verify_step,
-)
+from ..commit.steps import FoundStep, StepCommit
 from ..commit.strategies import new_attempt_id
 from ..errors import (
     AtomicStoreError,
@@ -275,19 +218,6 @@ class ForcedOverwriteWarning(UserWarning):
     checkpoint may have been lost: use :class:`AtomicCheckpointManager`."""
 
 
-def _abandon(commit: StagedCommit | InPlaceCommit, pid: int) -> None:
-    """An attempt dropped without ``finalize`` (its save failed, or the process exits):
-    stop its lease; what it wrote is left to recovery (or, staged, removed now). Nothing
-    in a forked child (whose exit runs the finalizers it inherited): the attempt is its
-    parent's, still in flight there."""
-    if os.getpid() != pid:
-        return
-    try:
-        commit.abandon()
-    except Exception:  # noqa: BLE001 - best effort; recovery removes what is left
-        pass
-
-
 class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is untyped
     """Orbax ``TemporaryPath`` whose ``finalize`` commits the step through atomicstore.
 
@@ -344,14 +274,14 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         self._metadata_store = metadata_store
         self._mode = mode
         #: the commit-layer attempt: staged (rename backends) or in place (object stores)
-        self._commit: StagedCommit | InPlaceCommit | None = None
+        self._commit: StepCommit | None = None
         self._finalized = False
         self._started = False  # create has begun
         self._created = threading.Event()  # create has ended, well or not
         self._create_error: BaseException | None = None
         self._ended = False  # finalized or aborted
         self._found: tuple[FoundStep, str | None] | None = None  # what was at the step at from_final
-        self._finalizer: weakref.finalize[[StagedCommit | InPlaceCommit, int], AtomicTemporaryPath] | None = None
+        self._finalizer: weakref.finalize[[StepCommit, int], AtomicTemporaryPath] | None = None
 
     @property
     def is_item(self) -> bool:
@@ -385,7 +315,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
             raise InvalidArgumentError(f"path_permission_mode must be a mode like 0o750, not {mode!r}")
         parent = str(final.parent)
         step = _item_step(parent)
-        if step is not None or parse_staging_path(parent) is not None:
+        if step is not None or steps.parse_staging_path(parent) is not None:
             # an item of a step of this process: a plain directory inside the step's attempt
             return cls(final=final, tmp=final, root=None, name=None, attempt=None,
                        step=step or _detached(cls, parent), mode=mode)
@@ -394,10 +324,10 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         store = cls.open_store(parent)
         attempt = new_attempt_id()
         # in place: Orbax's readers expect the items under <step>/
-        tmp = final if writes_in_place(store) else epath.Path(staging_path(store, name, attempt))
+        tmp = final if inplace.writes_in_place(store) else epath.Path(steps.staging_path(store, name, attempt))
         self = cls(final=final, tmp=tmp, root=_root_string(parent), name=name, attempt=attempt,
                    metadata_store=checkpoint_metadata_store, mode=mode)
-        self._found = probe_step(store, name)
+        self._found = steps.probe_step(store, name)
         with _LIVE_LOCK:
             # on object stores every attempt of a step writes into the step itself: a save
             # of this process already taking or holding it is not joined but refused (its
@@ -405,7 +335,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
             busy = [a for a in _attempts_at(str(tmp)) if a._in_flight()]
             if busy:
                 raise CommitConflictError(
-                    f"step {describe(store, name)} is being saved by another save in this "
+                    f"step {inplace.describe(store, name)} is being saved by another save in this "
                     f"process (attempt {busy[0].attempt}): refused before writing anything", name=name)
             _LIVE.setdefault(str(tmp), []).append(weakref.ref(self))
         _THREAD.step = weakref.ref(self)
@@ -424,7 +354,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         if snapshot_type is not None:
             raise InvalidArgumentError("AtomicTemporaryPath does not support Orbax snapshots")
         tmp = epath.Path(temporary_path)
-        parts = parse_staging_path(str(tmp))
+        parts = steps.parse_staging_path(str(tmp))
         if parts is not None:
             root, name, attempt = parts
             return cls(final=epath.Path(root) / name, tmp=tmp, root=root, name=name, attempt=attempt,
@@ -506,20 +436,15 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         try:
             store = self._store()
             self._check_not_forced(store)
-            commit: StagedCommit | InPlaceCommit
-            if writes_in_place(store):
-                commit = InPlaceCommit(store, self._name, self._attempt, version=ORBAX_VERSION)
-            else:
-                commit = StagedCommit(store, self._name, self._attempt, version=ORBAX_VERSION)
+            success = f"Checkpoint commit was successful to {self._final}".encode()  # Orbax's text
+            commit = steps.step_commit(store, self._name, self._attempt, version=ORBAX_VERSION, mode=self._mode,
+                                 success=success)
             self._commit = commit
-            self._finalizer = weakref.finalize(self, _abandon, commit, self._pid)
+            self._finalizer = weakref.finalize(self, steps.abandon_attempt, commit, self._pid)
             try:
                 # the lease before any data; on object stores the claim, on disk the staging
                 # directory: a committed or claimed step is refused here (CommitConflictError)
-                if isinstance(commit, StagedCommit):
-                    commit.begin(self._mode)
-                else:
-                    commit.begin()
+                commit.begin()
                 self._write_step_metadata()
             except BaseException:
                 self._end(abort=True)
@@ -537,11 +462,11 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
             return
         assert self._name is not None
         kind, _gen = self._found
-        if not step_gone(store, self._name, kind):
+        if not steps.step_gone(store, self._name, kind):
             return  # still there: create refuses this save (CommitConflictError)
         what = {FoundStep.STEP: "a step directory", FoundStep.COMMITTED: "a committed step",
                 FoundStep.CLAIMED: "a step being saved by another writer (or left by a crashed save)"}[kind]
-        msg = (f"{describe(store, self._name)} held {what} when this save began, and it was deleted before "
+        msg = (f"{inplace.describe(store, self._name)} held {what} when this save began, and it was deleted before "
                "the save's create, most likely by Orbax's force=True (which ocp.CheckpointManager.save "
                "always passes: it removes an existing step before AtomicTemporaryPath can refuse the "
                "save). If another writer saved it, its checkpoint is lost. Save through "
@@ -587,11 +512,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
             )
             await asyncio.to_thread(ms.wait_until_finished)
         try:
-            if isinstance(commit, StagedCommit):
-                success = f"Checkpoint commit was successful to {self._final}".encode()  # Orbax's own text
-                await asyncio.to_thread(commit.publish, success)
-            else:
-                await asyncio.to_thread(commit.publish)
+            await asyncio.to_thread(commit.publish)
         finally:
             self._end(abort=False)  # committed, or discarded, or (outcome unknown) recovery's
 
@@ -638,8 +559,8 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         try:
             name = validate_name(path.name)
             store = cls.open_store(str(path.parent))
-            manifest = committed_manifest(store, name)
-            damage = step_damage(store, name, manifest)
+            manifest = steps.committed_manifest(store, name)
+            damage = steps.step_damage(store, name, manifest)
         except (NotFoundError, CorruptionError, InvalidArgumentError) as exc:
             raise ValidationError(f"{path} is not a committed atomicstore Orbax step: {exc}") from None
         if damage is not None:
@@ -663,53 +584,25 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         was written for ``grace`` seconds). Committed steps, saves in flight and anything
         not written by this integration are never stale."""
         path = str(epath.Path(temporary_path))
-        parts = parse_staging_path(path)
+        parts = steps.parse_staging_path(path)
         if parts is not None:
-            root, name, attempt = parts
-            store = cls.open_store(root)
-            return judge_staged(store, name, attempt, store.clock() if now is None else now)
+            return steps.judge_staged(cls.open_store(parts[0]), parts[1], parts[2], now)
         p = epath.Path(path)
         try:
             name = validate_name(p.name)
         except InvalidArgumentError:
             return Judgement(AttemptState.FOREIGN, "not a step name")
-        store = cls.open_store(str(p.parent))
-        if not writes_in_place(store):
-            return Judgement(AttemptState.FOREIGN, "committed steps and foreign directories are never temporary "
-                                                   "(saves in flight live in .atomicstore/staging)")
-        return judge_in_place(store, name, store.clock() if now is None else now)
+        return steps.judge_step(cls.open_store(str(p.parent)), name, now)
 
     # -- maintenance ----------------------------------------------------------------------------
     @classmethod
     def recover(cls, directory: Any, *, dry_run: bool = False, grace: float | None = None,
                 now: float | None = None) -> RecoveryReport:
-        """Recover the Orbax root ``directory``: on object stores, first remove each claimed
-        in-place step that is provably uncommitted and dead (its expired lease fenced
-        first, so the dead writer can never commit; its objects removed; the claim last,
-        so that no new attempt takes the step before it is empty) and each marker of this
-        integration older than ``grace`` whose claim and files are all gone (a dead
-        writer's marker that landed late: ``kind="marker"``); on every backend, each empty
-        step directory (no file anywhere below it: a crash's leftover or a user's ``mkdir``;
-        on GCS only zero-byte ``<step>/`` placeholders) untouched for ``grace`` seconds and
-        with no live lease of its step, removed so that it can only fail if anything was
-        written into it meanwhile (``rmdir`` bottom-up, placeholders at the generation
-        read); then ``store.recover()`` (stale staging, dead leases, orphaned uploads).
-        Returns that report, with this integration's removals first (``kind="orbax"``);
-        a younger empty step directory is listed in ``in_flight`` (another saver may be
-        about to write into it)."""
-        if not isinstance(dry_run, bool):
-            raise InvalidArgumentError("dry_run must be a bool")
-        if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int | float) or grace < 0):
-            raise InvalidArgumentError("grace must be a non-negative number of seconds")
-        if now is not None and (isinstance(now, bool) or not isinstance(now, int | float)):
-            raise InvalidArgumentError("now must be Unix seconds")
-        store = cls.open_store(directory)
-        when = store.clock() if now is None else float(now)
-        actions, young = recover_steps(store, when, store.grace if grace is None else float(grace), dry_run)
-        report = store.recover(dry_run=dry_run, grace=grace, now=now)
-        report.actions[:0] = actions
-        report.in_flight.extend(young)
-        return report
+        """Recover the Orbax root ``directory``: remove what crashed saves left (claimed
+        in-place steps provably uncommitted and dead, late markers of dead writers, empty
+        step directories untouched for ``grace``), then ``store.recover()``; see
+        :func:`atomicstore.commit.steps.recover_root`."""
+        return steps.recover_root(cls.open_store(directory), dry_run=dry_run, grace=grace, now=now)
 
     @classmethod
     def verify(cls, final_path: Any) -> Manifest:
@@ -718,7 +611,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         :class:`~atomicstore.NotFoundError` if the step is not committed."""
         path = epath.Path(final_path)
         name = validate_name(path.name)
-        return verify_step(cls.open_store(str(path.parent)), name)
+        return steps.verify_step(cls.open_store(str(path.parent)), name)
 
 
 class StepConflictError(CommitConflictError, _ocp_checkpoint_manager.StepAlreadyExistsError):  # type: ignore[misc]
@@ -765,16 +658,16 @@ def _take_over_empty_step(cls: Any, path: Any) -> str | None:
         store = cls.open_store(str(path.parent))
     except AtomicStoreError:
         return exists
-    empty = judge_empty_step(store, name, store.clock(), store.grace)
+    empty = steps.judge_empty_step(store, name, store.clock(), store.grace)
     if empty is None:
         return exists
-    if empty.state is not EmptyState.STALE:
+    if empty.state is not steps.EmptyState.STALE:
         return (f"is an empty directory ({empty.reason}): another saver may be about to write into it. "
                 f"A save takes it over, and AtomicTemporaryPath.recover removes it, once it is untouched "
                 f"for grace={store.grace:.0f}s and no save of it holds a lease; delete it if it is yours")
-    if not remove_empty_step(store, empty):
+    if not steps.remove_empty_step(store, empty):
         return "was written into while this save was taking over its empty directory"
-    log.info("took over the empty step directory %s (%s)", describe(store, name), empty.reason)
+    log.info("took over the empty step directory %s (%s)", inplace.describe(store, name), empty.reason)
     return None
 
 
@@ -785,7 +678,7 @@ def _record_of(cls: Any, path: Any) -> tuple[str, float] | None:
         return None
     try:
         store = cls.open_store(str(path.parent))
-        manifest = committed_manifest(store, validate_name(path.name))
+        manifest = steps.committed_manifest(store, validate_name(path.name))
     except (NotFoundError, CorruptionError, InvalidArgumentError):
         return None
     return manifest.attempt, float(manifest.committed or manifest.created)
