@@ -248,11 +248,6 @@ class InPlaceCommit:
             f"its step removed by recovery ({why}): the marker was taken back, nothing committed",
             name=name)
 
-    def stop(self) -> None:
-        """Stop renewing the lease (what is left is recovery's)."""
-        if self.lease is not None:
-            self.lease.stop()
-
     def abort(self) -> None:
         """Discard the attempt: if it holds the claim, its files and then the claim; its lease."""
         if self.lease is None:

@@ -157,9 +157,6 @@ class StagedCommit:
             raise
         txn.commit()  # manifest, fsyncs, lease check, rename(NOREPLACE), fsync of the root
 
-    def stop(self) -> None:
-        """Nothing to stop: the transaction's lease is its own."""
-
     def abort(self) -> None:
         """Discard the staging directory and the lease."""
         if self.txn is not None:
@@ -475,6 +472,17 @@ def recover_empty_step(store: Store, name: str, now: float, grace: float, dry_ru
     return RecoveryAction("orbax", name, why, len(empty.dirs))
 
 
+def check_recover_arguments(dry_run: object, grace: object, now: object) -> None:
+    """:class:`InvalidArgumentError` unless ``dry_run`` is a bool, ``grace`` None or
+    non-negative seconds, ``now`` None or Unix seconds."""
+    if not isinstance(dry_run, bool):
+        raise InvalidArgumentError("dry_run must be a bool")
+    if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int | float) or grace < 0):
+        raise InvalidArgumentError("grace must be a non-negative number of seconds")
+    if now is not None and (isinstance(now, bool) or not isinstance(now, int | float)):
+        raise InvalidArgumentError("now must be Unix seconds")
+
+
 def recover_root(store: Store, *, dry_run: bool = False, grace: float | None = None,
                  now: float | None = None) -> RecoveryReport:
     """Recover a root of steps: on object stores, first remove each claimed in-place step
@@ -490,12 +498,7 @@ def recover_root(store: Store, *, dry_run: bool = False, grace: float | None = N
     staging, dead leases, orphaned uploads). Returns that report, with these removals
     first (``kind="orbax"``); a younger empty step directory is listed in ``in_flight``
     (another saver may be about to write into it)."""
-    if not isinstance(dry_run, bool):
-        raise InvalidArgumentError("dry_run must be a bool")
-    if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int | float) or grace < 0):
-        raise InvalidArgumentError("grace must be a non-negative number of seconds")
-    if now is not None and (isinstance(now, bool) or not isinstance(now, int | float)):
-        raise InvalidArgumentError("now must be Unix seconds")
+    check_recover_arguments(dry_run, grace, now)
     when = store.clock() if now is None else float(now)
     actions, young = recover_steps(store, when, store.grace if grace is None else float(grace), dry_run)
     report = store.recover(dry_run=dry_run, grace=grace, now=now)
@@ -539,6 +542,7 @@ __all__ = [
     "StagedCommit",
     "StepCommit",
     "abandon_attempt",
+    "check_recover_arguments",
     "committed_manifest",
     "judge_empty_step",
     "judge_staged",

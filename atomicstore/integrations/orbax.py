@@ -602,6 +602,7 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
         in-place steps provably uncommitted and dead, late markers of dead writers, empty
         step directories untouched for ``grace``), then ``store.recover()``; see
         :func:`atomicstore.commit.steps.recover_root`."""
+        steps.check_recover_arguments(dry_run, grace, now)  # before the store is opened
         return steps.recover_root(cls.open_store(directory), dry_run=dry_run, grace=grace, now=now)
 
     @classmethod
