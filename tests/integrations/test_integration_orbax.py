@@ -35,6 +35,8 @@ from conftest import in_forked_child
 from orbax.checkpoint._src.path import temporary_paths
 
 import atomicstore
+from atomicstore.commit import inplace
+from atomicstore.commit import steps as commit_steps
 from atomicstore.integrations import orbax as aso
 from atomicstore.integrations.orbax import AtomicTemporaryPath
 from atomicstore.testing.faults import (
@@ -997,11 +999,11 @@ def test_hostile_or_oversized_records_are_refused_and_never_acted_on(env: Env):
         3: json.dumps({**good, "name": "3", "files": {"x": {"size": -5, "crc32c": "00000000"}}}).encode(),
         4: json.dumps({**good, "name": "9"}).encode(),  # another step's record
         5: b"[" * 100_000 + b"]" * 100_000,  # nesting deeper than the parser's stack
-        6: b"{" + b" " * (aso._MAX_MARKER_BYTES + 1) + b"}",  # larger than any record may be
+        6: b"{" + b" " * (inplace.MAX_RECORD_BYTES + 1) + b"}",  # larger than any record may be
     }
     for step, raw in hostile.items():
         d.put(f"{step}/commit_success.txt", raw)
-    d.put(f"7/{aso.CLAIM_FILE}", b" " * (aso._MAX_CLAIM_BYTES + 1))  # an oversized claim
+    d.put(f"7/{aso.CLAIM_FILE}", b" " * (inplace.MAX_STEP_CLAIM_BYTES + 1))  # an oversized claim
     before = env.listing()
     for step in hostile:
         with pytest.raises(ocp.path.atomicity_types.ValidationError):
@@ -1017,11 +1019,11 @@ def test_hostile_or_oversized_records_are_refused_and_never_acted_on(env: Env):
 
 def test_a_hostile_tree_of_empty_directories_is_not_walked_without_bound(env: Env):
     if env.kind == "local":
-        for i in range(aso._MAX_EMPTY_DIRS + 1):
+        for i in range(commit_steps.MAX_EMPTY_DIRS + 1):
             os.makedirs(os.path.join(env.root, "8", str(i)))
     else:
         fs = fsspec.filesystem("gs")
-        fs.pipe({f"{env.root[len('gs://'):]}/8/{i}/": b"" for i in range(aso._MAX_EMPTY_DIRS + 1)})
+        fs.pipe({f"{env.root[len('gs://'):]}/8/{i}/": b"" for i in range(commit_steps.MAX_EMPTY_DIRS + 1)})
     report = env.later().recover(env.root)  # too big to be judged: left alone, no error
     assert not [a for a in report.actions if a.target == "8"] and step_exists(env, "8")
 
