@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 STEPS, EVERY, KILL_AT = 60, 10, 40
@@ -105,8 +106,6 @@ def _start_store(kind: str, directory: str | None) -> tuple[str, dict[str, Any],
 
 
 def run_demo(store: str = "local", directory: str | None = None, as_json: bool = False) -> int:
-    import numpy as np
-
     import atomicstore
 
     url, options, server = _start_store(store, directory)
@@ -119,69 +118,101 @@ def run_demo(store: str = "local", directory: str | None = None, as_json: bool =
 
     try:
         say("store", f"{url} ({'S3 fake on 127.0.0.1' if server else 'local disk'})")
-        env = dict(os.environ)
-        code = "import sys, json; from atomicstore.demo import _child; _child(sys.argv[1], json.loads(sys.argv[2]))"
-        child = subprocess.Popen([sys.executable, "-c", code, url, json.dumps(options)],
-                                 stdout=subprocess.PIPE, text=True, env=env)
+        child = _start_child(url, options)
         st = atomicstore.open_store(url, **options)
-        assert child.stdout is not None
-        killed_during = None
-        for line in child.stdout:
-            word, _, step = line.strip().partition(" ")
-            if word == "SAVED":
-                say("train", f"step {step}: checkpoint committed")
-            if word == "SAVE" and int(step) == KILL_AT:
-                deadline = time.monotonic() + 60
-                while not _data_in_flight(st):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the save never started")
-                    time.sleep(0.002)
-                os.kill(child.pid, signal.SIGKILL)
-                killed_during = int(step)
-                break
-        child.wait(timeout=60)
-        if killed_during is None:
-            raise RuntimeError("the training child finished before it could be killed")
-        say("kill", f"SIGKILL while saving step {killed_during} (exit status {child.returncode})")
-
-        mgr = atomicstore.CheckpointManager(url, keep=3, storage_options=options, recover=False)
-        steps_before = mgr.all_steps()
-        time.sleep(LEASE_TTL + 0.5)  # the dead writer's lease expires
-        report = st.recover(grace=0)
-        removed = [f"{a.kind} {a.target}" for a in report.actions]
-        say("recover", f"removed {len(removed)}: {'; '.join(removed) or 'nothing'}")
-        steps = mgr.all_steps()
-        assert steps == steps_before and killed_during not in steps, (steps_before, steps)
-        for s in steps:
-            st.verify(f"checkpoint_{s}")
-        say("verify", f"committed steps {steps}: every checksum verifies; step {killed_during} never appeared")
-
-        latest = mgr.latest_step()
-        assert latest is not None, "no committed step survived"
-        restored = mgr.restore(latest, target=_init())
-        expected, _ = _train(_init(), int(latest))  # the deterministic run up to that step
-        same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
-                   zip(_leaves(restored), _leaves(expected), strict=True))
-        assert same and restored["step"] == latest, "the resumed state differs from the saved one"
-        say("resume", f"restored step {latest}: bit-identical to the state the run had at step {latest}")
-        final, losses = _train(restored, STEPS)
-        mgr.save(final["step"], final, metrics={"loss": losses[-1]})
-        _, first = _train(_init(), 1)
-        assert losses[-1] < first[0], "training did not make progress"
-        say("finish", f"trained to step {final['step']}, loss {first[0]:.3f} -> {losses[-1]:.4f}; "
-                      f"committed steps {mgr.all_steps()}")
-        if as_json:
-            print(json.dumps({"ok": True, "stages": [{"stage": a, "result": b} for a, b in rows]}, indent=1))
-        else:
-            print("\nsummary")
-            w = max(len(a) for a, _ in rows)
-            for a, b in rows:
-                print(f"  {a:{w}}  {b}")
-            print("demo passed: a preemption mid-save lost only the checkpoint in flight")
+        killed_during = _kill_mid_save(child, st, say)
+        mgr = _recover(url, options, st, killed_during, say)
+        _resume(mgr, say)
+        _summary(rows, as_json)
         return 0
     finally:
         if server is not None:
             server.stop()
+
+
+def _start_child(url: str, options: dict[str, Any]) -> subprocess.Popen[str]:
+    """The training run (:func:`_child`) in a child process, its stdout piped."""
+    env = dict(os.environ)
+    code = "import sys, json; from atomicstore.demo import _child; _child(sys.argv[1], json.loads(sys.argv[2]))"
+    return subprocess.Popen([sys.executable, "-c", code, url, json.dumps(options)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _kill_mid_save(child: subprocess.Popen[str], st: Any, say: Callable[[str, str], None]) -> int:
+    """SIGKILL the training ``child`` once the save of step :data:`KILL_AT` has data in
+    flight in store ``st``; that step."""
+    assert child.stdout is not None
+    killed_during = None
+    for line in child.stdout:
+        word, _, step = line.strip().partition(" ")
+        if word == "SAVED":
+            say("train", f"step {step}: checkpoint committed")
+        if word == "SAVE" and int(step) == KILL_AT:
+            deadline = time.monotonic() + 60
+            while not _data_in_flight(st):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the save never started")
+                time.sleep(0.002)
+            os.kill(child.pid, signal.SIGKILL)
+            killed_during = int(step)
+            break
+    child.wait(timeout=60)
+    if killed_during is None:
+        raise RuntimeError("the training child finished before it could be killed")
+    say("kill", f"SIGKILL while saving step {killed_during} (exit status {child.returncode})")
+    return killed_during
+
+
+def _recover(url: str, options: dict[str, Any], st: Any, killed_during: int,
+             say: Callable[[str, str], None]) -> Any:
+    """Recover (store ``st``) once the dead writer's lease expired, and check that the
+    committed steps are untouched and verify; the manager of the run."""
+    import atomicstore
+
+    mgr = atomicstore.CheckpointManager(url, keep=3, storage_options=options, recover=False)
+    steps_before = mgr.all_steps()
+    time.sleep(LEASE_TTL + 0.5)  # the dead writer's lease expires
+    report = st.recover(grace=0)
+    removed = [f"{a.kind} {a.target}" for a in report.actions]
+    say("recover", f"removed {len(removed)}: {'; '.join(removed) or 'nothing'}")
+    steps = mgr.all_steps()
+    assert steps == steps_before and killed_during not in steps, (steps_before, steps)
+    for s in steps:
+        st.verify(f"checkpoint_{s}")
+    say("verify", f"committed steps {steps}: every checksum verifies; step {killed_during} never appeared")
+    return mgr
+
+
+def _resume(mgr: Any, say: Callable[[str, str], None]) -> None:
+    """Restore the latest step, prove it bit-identical to the deterministic run's state at
+    that step, train to the end and check that the loss went down."""
+    import numpy as np
+
+    latest = mgr.latest_step()
+    assert latest is not None, "no committed step survived"
+    restored = mgr.restore(latest, target=_init())
+    expected, _ = _train(_init(), int(latest))  # the deterministic run up to that step
+    same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+               zip(_leaves(restored), _leaves(expected), strict=True))
+    assert same and restored["step"] == latest, "the resumed state differs from the saved one"
+    say("resume", f"restored step {latest}: bit-identical to the state the run had at step {latest}")
+    final, losses = _train(restored, STEPS)
+    mgr.save(final["step"], final, metrics={"loss": losses[-1]})
+    _, first = _train(_init(), 1)
+    assert losses[-1] < first[0], "training did not make progress"
+    say("finish", f"trained to step {final['step']}, loss {first[0]:.3f} -> {losses[-1]:.4f}; "
+                  f"committed steps {mgr.all_steps()}")
+
+
+def _summary(rows: list[tuple[str, str]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"ok": True, "stages": [{"stage": a, "result": b} for a, b in rows]}, indent=1))
+        return
+    print("\nsummary")
+    w = max(len(a) for a, _ in rows)
+    for a, b in rows:
+        print(f"  {a:{w}}  {b}")
+    print("demo passed: a preemption mid-save lost only the checkpoint in flight")
 
 
 def _data_in_flight(st: Any) -> bool:

@@ -276,19 +276,7 @@ class CheckpointManager:
         try:  # (the session is drawn first: every process draws it, whatever fails next)
             self._check_open()
             self._raise_pending_error()
-            step = check_step(step)
-            for flag, val in (("force", force), ("milestone", milestone), ("ephemeral", ephemeral),
-                              ("copy", copy)):
-                if not isinstance(val, bool | np.bool_):
-                    raise InvalidArgumentError(f"{flag} must be a bool, not {type(val).__name__}")
-            if milestone and ephemeral:
-                raise InvalidArgumentError("a checkpoint cannot be both a milestone and ephemeral")
-            try:
-                validate_name(self._name(step))
-            except InvalidArgumentError as exc:
-                raise InvalidArgumentError(f"step {step!r}: {exc}") from None
-            if items is not None and isinstance(items, dict) and not all(isinstance(k, str) and k for k in items):
-                raise InvalidArgumentError("items must be named by non-empty strings")
+            step = self._check_save(step, items, force=force, milestone=milestone, ephemeral=ephemeral, copy=copy)
             user = _json_argument(metadata, metrics, items)
             overwrite = self.overwrite or bool(force)
             newer: list[Step] = []
@@ -308,6 +296,31 @@ class CheckpointManager:
         if not self.async_save:
             self._save_now(step, job, meta, gens)
             return
+        self._save_later(step, job, meta, overwrite, newer, session)
+
+    def _check_save(self, raw_step: Any, items: Any, *, force: Any, milestone: Any, ephemeral: Any,
+                    copy: Any) -> Step:
+        """:meth:`save`'s own arguments checked (``metadata``, ``metrics`` and ``items``'
+        values are checked as JSON by ``_json_argument``); the step."""
+        step = check_step(raw_step)
+        for flag, val in (("force", force), ("milestone", milestone), ("ephemeral", ephemeral),
+                          ("copy", copy)):
+            if not isinstance(val, bool | np.bool_):
+                raise InvalidArgumentError(f"{flag} must be a bool, not {type(val).__name__}")
+        if milestone and ephemeral:
+            raise InvalidArgumentError("a checkpoint cannot be both a milestone and ephemeral")
+        try:
+            validate_name(self._name(step))
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"step {step!r}: {exc}") from None
+        if items is not None and isinstance(items, dict) and not all(isinstance(k, str) and k for k in items):
+            raise InvalidArgumentError("items must be named by non-empty strings")
+        return step
+
+    def _save_later(self, step: Step, job: PreparedSave, meta: dict[str, Any], overwrite: bool,
+                    newer: list[Step], session: Session | None) -> None:
+        """The async half of :meth:`save`: once the saves before it are done, save in a
+        background thread (at most ``max_pending`` at once: a slot is taken here)."""
         self._slots.acquire()
         self.wait_until_finished(_raise=False)  # saves are ordered
         try:

@@ -352,27 +352,8 @@ def _main(session: Session, driver: Driver, leaves: list[ShardedLeaf], shards: l
         txn = begin()
         session.put("plan", {"what": session.what, "prefix": txn.prefix, "attempt": txn.attempt,
                              "leaves": [leaf.describe() for leaf in leaves]})
-        reports = [{"files": write_shards(driver, txn.prefix, shards, name, threads)}]
-        for i in range(1, session.count):
-            reports.append(session.get(f"report/{i}", f"process {i}"))
-        if session.count > 1:
-            session.forget_earlier()
-        for i, rep in enumerate(reports):
-            if "error" in rep:
-                raise CoordinationError(f"{session.what}: process {i} failed: {rep['error']}")
-        files = [f for rep in reports for f in rep["files"]]
-        try:
-            by_array = assemble(files, leaves)
-            sizes = {f["file"]: f["size"] for f in files}
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CoordinationError(f"{session.what}: malformed report: {exc}") from None
-        for leaf in leaves:  # the reader's own rule, before anything is committed
-            try:
-                check_shards(by_array[leaf.n], leaf.shape, leaf.dtype.itemsize, sizes.get)
-            except ValueError as exc:
-                raise CoordinationError(
-                    f"{session.what}: the shards the processes wrote of {leaf.key} do not tile it ({exc}): "
-                    "do all processes hold the array with the same sharding?") from None
+        reports = _reports(session, driver, txn, shards, name, threads)
+        by_array = _tiled(session, reports, leaves)
         for rep in reports:
             for f in rep["files"]:
                 txn.adopt(f["file"], f["size"], f["crc32c"])
@@ -382,6 +363,47 @@ def _main(session: Session, driver: Driver, leaves: list[ShardedLeaf], shards: l
         if txn is not None and not txn.committed:
             _abort_within(txn, session.margin)
         raise
+    _publish_outcome(session, txn, after)
+    return out
+
+
+def _reports(session: Session, driver: Driver, txn: Transaction, shards: list[LocalShard],
+             name: Callable[..., str], threads: int) -> list[dict[str, Any]]:
+    """Process 0's shards written into ``txn``, then every process's report (process 0's
+    first) of the shard files it wrote; raise if any process failed."""
+    reports = [{"files": write_shards(driver, txn.prefix, shards, name, threads)}]
+    for i in range(1, session.count):
+        reports.append(session.get(f"report/{i}", f"process {i}"))
+    if session.count > 1:
+        session.forget_earlier()
+    for i, rep in enumerate(reports):
+        if "error" in rep:
+            raise CoordinationError(f"{session.what}: process {i} failed: {rep['error']}")
+    return reports
+
+
+def _tiled(session: Session, reports: list[dict[str, Any]], leaves: list[ShardedLeaf]) -> dict[int, list[Shard]]:
+    """The shards of each sharded array from the processes' ``reports``, checked to tile
+    it by the reader's own rule, before anything is committed."""
+    files = [f for rep in reports for f in rep["files"]]
+    try:
+        by_array = assemble(files, leaves)
+        sizes = {f["file"]: f["size"] for f in files}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CoordinationError(f"{session.what}: malformed report: {exc}") from None
+    for leaf in leaves:  # the reader's own rule, before anything is committed
+        try:
+            check_shards(by_array[leaf.n], leaf.shape, leaf.dtype.itemsize, sizes.get)
+        except ValueError as exc:
+            raise CoordinationError(
+                f"{session.what}: the shards the processes wrote of {leaf.key} do not tile it ({exc}): "
+                "do all processes hold the array with the same sharding?") from None
+    return by_array
+
+
+def _publish_outcome(session: Session, txn: Transaction, after: Callable[[], None] | None) -> None:
+    """Committed: run ``after()`` (retention), then tell the others; ``after``'s error is
+    raised here only after they were told (the save is committed)."""
     late: BaseException | None = None
     if after is not None:
         try:
@@ -393,7 +415,6 @@ def _main(session: Session, driver: Driver, leaves: list[ShardedLeaf], shards: l
                             "manifest": man.to_bytes().decode() if man is not None else None})
     if late is not None:
         raise late
-    return out
 
 
 def _abort_within(txn: Transaction, seconds: float) -> None:

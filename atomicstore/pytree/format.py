@@ -24,6 +24,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import msgpack
@@ -239,21 +240,43 @@ def parse_shards(raw: Any, block: Any) -> list[Shard]:
 
 
 # -- the index -------------------------------------------------------------------------------
+class LeafKind(StrEnum):
+    """What a leaf of the index is. The values are the kind strings of ``index.msgpack``
+    (``docs/format.md``): a member is the very string on disk and compares equal to it."""
+
+    #: an array: its C-order bytes are one byte range of the state file
+    ND = "nd"
+    #: a numpy scalar, laid out like an array
+    SC = "sc"
+    #: a chunked array (flax's layout for arrays over 1 GiB): one range per chunk
+    NDC = "ndc"
+    #: any other leaf: its complete msgpack encoding is the byte range
+    PY = "py"
+    #: a literal already decoded (legacy files; never in an index)
+    LIT = "lit"
+    #: an array sharded across processes: its bytes are in shard files
+    SH = "sh"
+
+
+#: the leaf kinds an ``index.msgpack`` may hold (a tuple: a hostile kind may be unhashable)
+_INDEXED_KINDS = (LeafKind.ND, LeafKind.SC, LeafKind.PY, LeafKind.SH, LeafKind.NDC)
+
+
 class Leaf:
     """Where one leaf is and what it is.
 
-    ``kind``: "nd" array, "sc" numpy scalar, "ndc" chunked array, "py" msgpack value,
-    "lit" a literal already decoded (legacy files), "sh" an array sharded across processes
-    (``value``: its :class:`Shard` list; no range in the state file). ``ranges``: (offset,
-    length, CRC32C or None) in the state file.
+    ``kind``: a :class:`LeafKind`: "nd" array, "sc" numpy scalar, "ndc" chunked array,
+    "py" msgpack value, "lit" a literal already decoded (legacy files), "sh" an array
+    sharded across processes (``value``: its :class:`Shard` list; no range in the state
+    file). ``ranges``: (offset, length, CRC32C or None) in the state file.
     """
 
     __slots__ = ("path", "kind", "dtype", "shape", "ranges", "value", "nbytes")
 
-    def __init__(self, path: Path, kind: str, dtype: np.dtype | None, shape: tuple[int, ...],
+    def __init__(self, path: Path, kind: LeafKind, dtype: np.dtype | None, shape: tuple[int, ...],
                  ranges: list[tuple[int, int, int | None]], value: Any = None) -> None:
         self.path, self.kind, self.dtype, self.shape, self.ranges, self.value = path, kind, dtype, shape, ranges, value
-        if kind == "sh":
+        if kind == LeafKind.SH:
             assert dtype is not None
             self.nbytes = math.prod(shape) * dtype.itemsize
         else:
@@ -291,15 +314,7 @@ def parse_index(raw: bytes, state_size: int, where: str,
     sharded arrays, against the sizes of their files (``sizes(file)``: the manifest's
     size, None when the file is not in it; without ``sizes`` no sharded array is
     accepted)."""
-    try:
-        doc = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_ext_len=0)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
-        raise CorruptionError(f"{where}: unreadable index ({exc})", path=INDEX_FILE) from None
-    if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT or not isinstance(doc.get("nodes"), list):
-        raise CorruptionError(f"{where}: not an {INDEX_FORMAT} index", path=INDEX_FILE)
-    if doc.get("state_size") != state_size:
-        raise CorruptionError(f"{where}: index describes a state of {doc.get('state_size')} bytes, "
-                              f"the state file has {state_size}", path=INDEX_FILE)
+    doc = _index_doc(raw, state_size, where)
     idx = Index({}, {}, [])
     for node in doc["nodes"]:
         try:
@@ -313,55 +328,88 @@ def parse_index(raw: bytes, state_size: int, where: str,
                 idx.containers[p] = kind
                 idx.order.append((0, p))
                 continue
-            p = _path(node[1], where)
-            kind = node[2]
-            if kind in ("nd", "sc", "py"):
-                _, _, _, dtn, shp, off, n, crc = node
-                ranges = [(off, n, crc)]
-                dt = parse_dtype(dtn, path=INDEX_FILE, leaf=p, where=where) if kind != "py" else None
-                shape = _shape(shp, where) if kind != "py" else ()
-            elif kind == "sh":
-                _, _, _, dtn, shp, raw_shards = node
-                dt, shape = parse_dtype(dtn, path=INDEX_FILE, leaf=p, where=where), _shape(shp, where)
-                try:
-                    if sizes is None:
-                        raise ValueError("a sharded array where none is expected")
-                    shards = parse_shards(raw_shards, doc.get("shard_block", SHARD_BLOCK))
-                    check_shards(shards, shape, dt.itemsize, sizes)
-                except ValueError as exc:
-                    raise CorruptionError(f"{where} leaf {path_str(p)}: {exc}", path=INDEX_FILE,
-                                          leaf=path_str(p)) from None
-                idx.leaves[p] = Leaf(p, "sh", dt, shape, [], shards)
-                idx.order.append((1, p))
-                continue
-            elif kind == "ndc":
-                _, _, _, dtn, shp, chunks = node
-                dt, shape = parse_dtype(dtn, path=INDEX_FILE, leaf=p, where=where), _shape(shp, where)
-                if not isinstance(chunks, list):
-                    raise TypeError("chunks is not a list")
-                ranges = [tuple(c) for c in chunks]
-            else:
-                raise TypeError(f"leaf kind {kind!r}")
-            for r in ranges:
-                if len(r) != 3 or type(r[0]) is not int or type(r[1]) is not int or type(r[2]) is not int:
-                    raise TypeError(f"bad byte range at {path_str(p)}")
-                off, n, crc = r
-                if off < 0 or n < 0 or off + n > state_size or not 0 <= crc < 2**32:
-                    leaf_where = f"{where} leaf {path_str(p)}"
-                    raise CorruptionError(f"{leaf_where}: byte range [{off}, {off + n}) outside the "
-                                          f"{state_size}-byte state file", path=STATE_FILE, leaf=path_str(p))
-            leaf = Leaf(p, kind, dt, shape, list(ranges))
-            if dt is not None and math.prod(shape) * dt.itemsize != leaf.nbytes:
-                raise CorruptionError(f"{where} leaf {path_str(p)}: shape {shape} of {dt} does not match "
-                                      f"{leaf.nbytes} bytes", path=STATE_FILE, leaf=path_str(p))
-            idx.leaves[p] = leaf
-            idx.order.append((1, p))
+            leaf = _index_leaf(node, doc, state_size, where, sizes)
+            idx.leaves[leaf.path] = leaf
+            idx.order.append((1, leaf.path))
         except CorruptionError:
             raise
         except (TypeError, ValueError, IndexError, KeyError) as exc:
             raise CorruptionError(f"{where}: malformed index node ({exc!r})", path=INDEX_FILE) from None
     _check_structure(idx, where)
     return idx
+
+
+def _index_doc(raw: bytes, state_size: int, where: str) -> dict[Any, Any]:
+    """The decoded index, checked to be one of ours for a state of ``state_size`` bytes."""
+    try:
+        doc = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_ext_len=0)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
+        raise CorruptionError(f"{where}: unreadable index ({exc})", path=INDEX_FILE) from None
+    if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT or not isinstance(doc.get("nodes"), list):
+        raise CorruptionError(f"{where}: not an {INDEX_FORMAT} index", path=INDEX_FILE)
+    if doc.get("state_size") != state_size:
+        raise CorruptionError(f"{where}: index describes a state of {doc.get('state_size')} bytes, "
+                              f"the state file has {state_size}", path=INDEX_FILE)
+    return doc
+
+
+def _index_leaf(node: list[Any], doc: dict[Any, Any], state_size: int, where: str,
+                sizes: Callable[[str], int | None] | None) -> Leaf:
+    """The leaf of index node ``node`` (``[1, path, kind, ...]``); TypeError, ValueError,
+    IndexError or KeyError for a malformed one (reported as such by the caller)."""
+    p = _path(node[1], where)
+    kind = node[2]
+    if kind not in _INDEXED_KINDS:
+        raise TypeError(f"leaf kind {kind!r}")
+    kind = LeafKind(kind)
+    if kind is LeafKind.SH:
+        return _sharded_leaf(node, p, doc, where, sizes)
+    dt: np.dtype | None
+    if kind is LeafKind.NDC:
+        _, _, _, dtn, shp, chunks = node
+        dt, shape = parse_dtype(dtn, path=INDEX_FILE, leaf=p, where=where), _shape(shp, where)
+        if not isinstance(chunks, list):
+            raise TypeError("chunks is not a list")
+        ranges = [tuple(c) for c in chunks]
+    else:  # nd, sc, py: one range
+        _, _, _, dtn, shp, off, n, crc = node
+        ranges = [(off, n, crc)]
+        dt = parse_dtype(dtn, path=INDEX_FILE, leaf=p, where=where) if kind != LeafKind.PY else None
+        shape = _shape(shp, where) if kind != LeafKind.PY else ()
+    _check_ranges(ranges, p, state_size, where)
+    leaf = Leaf(p, kind, dt, shape, list(ranges))
+    if dt is not None and math.prod(shape) * dt.itemsize != leaf.nbytes:
+        raise CorruptionError(f"{where} leaf {path_str(p)}: shape {shape} of {dt} does not match "
+                              f"{leaf.nbytes} bytes", path=STATE_FILE, leaf=path_str(p))
+    return leaf
+
+
+def _sharded_leaf(node: list[Any], p: Path, doc: dict[Any, Any], where: str,
+                  sizes: Callable[[str], int | None] | None) -> Leaf:
+    """The leaf of a ``"sh"`` index node, its shards checked against the files' sizes."""
+    _, _, _, dtn, shp, raw_shards = node
+    dt, shape = parse_dtype(dtn, path=INDEX_FILE, leaf=p, where=where), _shape(shp, where)
+    try:
+        if sizes is None:
+            raise ValueError("a sharded array where none is expected")
+        shards = parse_shards(raw_shards, doc.get("shard_block", SHARD_BLOCK))
+        check_shards(shards, shape, dt.itemsize, sizes)
+    except ValueError as exc:
+        raise CorruptionError(f"{where} leaf {path_str(p)}: {exc}", path=INDEX_FILE,
+                              leaf=path_str(p)) from None
+    return Leaf(p, LeafKind.SH, dt, shape, [], shards)
+
+
+def _check_ranges(ranges: list[Any], p: Path, state_size: int, where: str) -> None:
+    """Each of a leaf's byte ranges is (offset, length, CRC32C) inside the state file."""
+    for r in ranges:
+        if len(r) != 3 or type(r[0]) is not int or type(r[1]) is not int or type(r[2]) is not int:
+            raise TypeError(f"bad byte range at {path_str(p)}")
+        off, n, crc = r
+        if off < 0 or n < 0 or off + n > state_size or not 0 <= crc < 2**32:
+            leaf_where = f"{where} leaf {path_str(p)}"
+            raise CorruptionError(f"{leaf_where}: byte range [{off}, {off + n}) outside the "
+                                  f"{state_size}-byte state file", path=STATE_FILE, leaf=path_str(p))
 
 
 def _check_structure(idx: Index, where: str) -> None:
@@ -392,9 +440,47 @@ def index_of_msgpack(read: Callable[[int, int], bytes], size: int, where: str) -
         raise CorruptionError(f"{where}: {exc}", path=where) from None
     if end != size:
         raise CorruptionError(f"{where}: {size - end} trailing bytes after the state", path=where)
-    idx = Index({}, {}, [])
+    indexer = _MsgpackIndexer(read, where)
+    indexer.visit(value, ())
+    return indexer.idx
 
-    def ndarray_leaf(p: Path, span: mp.Span, kind: str) -> Leaf:
+
+class _MsgpackIndexer:
+    """Builds the index of a scanned msgpack state (:func:`msgpack_io.scan`'s value),
+    reading what the scan left in place (arrays' headers, large literals) through
+    ``read(start, end)``."""
+
+    def __init__(self, read: Callable[[int, int], bytes], where: str) -> None:
+        self.read, self.where = read, where
+        self.idx = Index({}, {}, [])
+
+    def visit(self, v: Any, p: Path) -> None:
+        where = self.where
+        if isinstance(v, dict) and v.get("__msgpack_chunked_array__") is True:
+            self._add(p, self._chunked_leaf(v, p))
+        elif isinstance(v, dict):
+            self.idx.containers[p] = "dict"
+            self.idx.order.append((0, p))
+            for k, child in v.items():
+                self.visit(child, (*p, k))
+        elif v is None:
+            self.idx.containers[p] = "none"
+            self.idx.order.append((0, p))
+        elif isinstance(v, mp.ExtLeaf):
+            self._add(p, self._ext_leaf(v, p))
+        elif isinstance(v, list):
+            raise CorruptionError(f"{where} at {path_str(p)}: arrays are not part of flax's format", path=where)
+        else:
+            if isinstance(v, mp.Span):
+                v = self.read(v.start, v.end)
+            self._add(p, Leaf(p, LeafKind.LIT, None, (), [], v))
+
+    def _add(self, p: Path, leaf: Leaf) -> None:
+        self.idx.leaves[p] = leaf
+        self.idx.order.append((1, p))
+
+    def _ndarray_leaf(self, p: Path, span: mp.Span, kind: LeafKind) -> Leaf:
+        where, read = self.where, self.read
         sub = mp.Source(lambda a, b: read(span.start + a, span.start + b), span.end - span.start)
         try:
             val, _ = mp.scan(sub)
@@ -417,65 +503,47 @@ def index_of_msgpack(read: Callable[[int, int], bytes], size: int, where: str) -
                                   path=where, leaf=path_str(p))
         return leaf
 
-    def visit(v: Any, p: Path) -> None:
-        if isinstance(v, dict) and v.get("__msgpack_chunked_array__") is True:
-            try:
-                shape = tuple(v["shape"][str(i)] for i in range(len(v["shape"])))
-                parts = [v["chunks"][str(i)] for i in range(len(v["chunks"]))]
-            except (KeyError, TypeError):
-                raise CorruptionError(f"{where} leaf {path_str(p)}: malformed chunked array",
-                                      path=where, leaf=path_str(p)) from None
-            leaves = [ndarray_leaf(p, c.payload, "nd") for c in parts if isinstance(c, mp.ExtLeaf)]
-            if len(leaves) != len(parts) or not leaves:
-                raise CorruptionError(f"{where} leaf {path_str(p)}: malformed chunked array", path=where)
-            dt = leaves[0].dtype
-            leaf = Leaf(p, "ndc", dt, _shape(list(shape), where), [r for lf in leaves for r in lf.ranges])
-            assert dt is not None
-            if math.prod(leaf.shape) * dt.itemsize != leaf.nbytes:
-                raise CorruptionError(f"{where} leaf {path_str(p)}: chunks do not add up", path=where)
-            idx.leaves[p] = leaf
-            idx.order.append((1, p))
-        elif isinstance(v, dict):
-            idx.containers[p] = "dict"
-            idx.order.append((0, p))
-            for k, child in v.items():
-                visit(child, (*p, k))
-        elif v is None:
-            idx.containers[p] = "none"
-            idx.order.append((0, p))
-        elif isinstance(v, mp.ExtLeaf):
-            if v.code in (EXT_NDARRAY, EXT_NPSCALAR):
-                idx.leaves[p] = ndarray_leaf(p, v.payload, "nd" if v.code == EXT_NDARRAY else "sc")
-            elif v.code == EXT_COMPLEX:
-                try:
-                    pair = msgpack.unpackb(read(v.payload.start, v.payload.end))
-                    if not (isinstance(pair, list) and len(pair) == 2):
-                        raise ValueError("not a pair")
-                    value = complex(pair[0], pair[1])
-                except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-                    raise CorruptionError(f"{where} leaf {path_str(p)}: malformed complex ({exc})", path=where,
-                                          leaf=path_str(p)) from None
-                idx.leaves[p] = Leaf(p, "lit", None, (), [], value)
-            else:
-                raise CorruptionError(f"{where} leaf {path_str(p)}: unknown ext type {v.code}", path=where)
-            idx.order.append((1, p))
-        elif isinstance(v, list):
-            raise CorruptionError(f"{where} at {path_str(p)}: arrays are not part of flax's format", path=where)
-        else:
-            if isinstance(v, mp.Span):
-                v = read(v.start, v.end)
-            idx.leaves[p] = Leaf(p, "lit", None, (), [], v)
-            idx.order.append((1, p))
+    def _chunked_leaf(self, v: dict[Any, Any], p: Path) -> Leaf:
+        """flax's chunked array (``{"__msgpack_chunked_array__": True, "shape": ...,
+        "chunks": ...}``), as one leaf of the chunks' ranges."""
+        where = self.where
+        try:
+            shape = tuple(v["shape"][str(i)] for i in range(len(v["shape"])))
+            parts = [v["chunks"][str(i)] for i in range(len(v["chunks"]))]
+        except (KeyError, TypeError):
+            raise CorruptionError(f"{where} leaf {path_str(p)}: malformed chunked array",
+                                  path=where, leaf=path_str(p)) from None
+        leaves = [self._ndarray_leaf(p, c.payload, LeafKind.ND) for c in parts if isinstance(c, mp.ExtLeaf)]
+        if len(leaves) != len(parts) or not leaves:
+            raise CorruptionError(f"{where} leaf {path_str(p)}: malformed chunked array", path=where)
+        dt = leaves[0].dtype
+        leaf = Leaf(p, LeafKind.NDC, dt, _shape(list(shape), where), [r for lf in leaves for r in lf.ranges])
+        assert dt is not None
+        if math.prod(leaf.shape) * dt.itemsize != leaf.nbytes:
+            raise CorruptionError(f"{where} leaf {path_str(p)}: chunks do not add up", path=where)
+        return leaf
 
-    visit(value, ())
-    return idx
-
-
+    def _ext_leaf(self, v: mp.ExtLeaf, p: Path) -> Leaf:
+        """An ext value: an array, a numpy scalar or a complex number."""
+        where = self.where
+        if v.code in (EXT_NDARRAY, EXT_NPSCALAR):
+            return self._ndarray_leaf(p, v.payload, LeafKind.ND if v.code == EXT_NDARRAY else LeafKind.SC)
+        if v.code != EXT_COMPLEX:
+            raise CorruptionError(f"{where} leaf {path_str(p)}: unknown ext type {v.code}", path=where)
+        try:
+            pair = msgpack.unpackb(self.read(v.payload.start, v.payload.end))
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise ValueError("not a pair")
+            value = complex(pair[0], pair[1])
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+            raise CorruptionError(f"{where} leaf {path_str(p)}: malformed complex ({exc})", path=where,
+                                  leaf=path_str(p)) from None
+        return Leaf(p, LeafKind.LIT, None, (), [], value)
 
 
 __all__ = [
     "EXT_COMPLEX", "EXT_NDARRAY", "EXT_NPSCALAR", "FLAX_MAX_CHUNK", "INDEX_FILE", "INDEX_FORMAT",
-    "SHARDED_PH", "SHARD_BLOCK", "STATE_FILE", "Index", "Leaf", "Shard", "aligned_empty", "bytes_view", "check_shards",
+    "SHARDED_PH", "SHARD_BLOCK", "STATE_FILE", "Index", "Leaf", "LeafKind", "Shard", "aligned_empty", "bytes_view", "check_shards",
     "checkpoint_name", "dimension", "same_root",
     "index_of_msgpack", "parse_index", "parse_shards", "shard_file", "split_url",
 ]

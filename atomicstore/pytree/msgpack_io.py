@@ -117,6 +117,10 @@ class Source:
 _FIXED = {0xC0: None, 0xC2: False, 0xC3: True}
 _NUM = {0xCA: ">f", 0xCB: ">d", 0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q",
         0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
+#: width of the length field of str 8/16/32, bin 8/16/32 and ext 8/16/32
+_STR_LEN = {0xD9: 1, 0xDA: 2, 0xDB: 4}
+_BIN_LEN = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+_EXT_LEN = {0xC7: 1, 0xC8: 2, 0xC9: 4}
 
 
 def scan(src: Source, *, on_ext: Callable[[int, Span], Any] | None = None) -> tuple[Any, int]:
@@ -126,95 +130,117 @@ def scan(src: Source, *, on_ext: Callable[[int, Span], Any] | None = None) -> tu
 
     Raises :class:`CorruptionError` for anything malformed, truncated or oversized.
     """
-    on_ext = on_ext or (lambda code, span: ExtLeaf(code, span))
-    budget = [MAX_ITEMS]
+    return _Scanner(src, on_ext or (lambda code, span: ExtLeaf(code, span))).value(0, 0)
 
-    def value(pos: int, depth: int) -> tuple[Any, int]:
+
+class _Scanner:
+    """One :func:`scan`: values are parsed at byte offsets, every length checked against
+    the file's size before it is read, with a budget of :data:`MAX_ITEMS` items in all.
+    Nesting takes two frames per level (:meth:`value` and :meth:`container`)."""
+
+    def __init__(self, src: Source, on_ext: Callable[[int, Span], Any]) -> None:
+        self.src, self.on_ext = src, on_ext
+        self.budget = MAX_ITEMS
+
+    def value(self, pos: int, depth: int) -> tuple[Any, int]:
         if depth > MAX_DEPTH:
             raise CorruptionError(f"nesting deeper than {MAX_DEPTH} at byte {pos}")
-        b = src.take(pos, 1, "type byte")[0]
+        b = self.src.take(pos, 1, "type byte")[0]
         pos += 1
+        if 0x80 <= b <= 0x8F:
+            return self.container(pos, b & 0x0F, True, depth)
+        if 0x90 <= b <= 0x9F:
+            return self.container(pos, b & 0x0F, False, depth)
+        if b in (0xDC, 0xDD):
+            n, pos = self.length(pos, 2 if b == 0xDC else 4)
+            return self.container(pos, n, False, depth)
+        if b in (0xDE, 0xDF):
+            n, pos = self.length(pos, 2 if b == 0xDE else 4)
+            return self.container(pos, n, True, depth)
+        return self.scalar(b, pos)
+
+    def scalar(self, b: int, pos: int) -> tuple[Any, int]:
+        """The value of type byte ``b`` (any but a map or an array), whose encoding goes
+        on at ``pos``."""
         if b <= 0x7F:
             return b, pos
         if b >= 0xE0:
             return b - 0x100, pos
-        if 0x80 <= b <= 0x8F:
-            return container(pos, b & 0x0F, True, depth)
-        if 0x90 <= b <= 0x9F:
-            return container(pos, b & 0x0F, False, depth)
         if 0xA0 <= b <= 0xBF:
-            return string(pos, b & 0x1F)
+            return self.string(pos, b & 0x1F)
         if b in _FIXED:
             return _FIXED[b], pos
         if b in _NUM:
             fmt = _NUM[b]
             n = struct.calcsize(fmt)
-            return struct.unpack(fmt, src.take(pos, n, "number"))[0], pos + n
-        if b in (0xD9, 0xDA, 0xDB):
-            n, pos = length(pos, {0xD9: 1, 0xDA: 2, 0xDB: 4}[b])
-            return string(pos, n)
-        if b in (0xC4, 0xC5, 0xC6):
-            n, pos = length(pos, {0xC4: 1, 0xC5: 2, 0xC6: 4}[b])
-            src.take(pos, 0, "bin")
-            if pos + n > src.size:
-                raise CorruptionError(f"bin at byte {pos} declares {n} bytes, past the end of the file")
-            if n > 65536:
-                return Span(pos, pos + n), pos + n
-            return src.take(pos, n, "bin"), pos + n
-        if b in (0xDC, 0xDD):
-            n, pos = length(pos, 2 if b == 0xDC else 4)
-            return container(pos, n, False, depth)
-        if b in (0xDE, 0xDF):
-            n, pos = length(pos, 2 if b == 0xDE else 4)
-            return container(pos, n, True, depth)
+            return struct.unpack(fmt, self.src.take(pos, n, "number"))[0], pos + n
+        if b in _STR_LEN:
+            n, pos = self.length(pos, _STR_LEN[b])
+            return self.string(pos, n)
+        if b in _BIN_LEN:
+            return self.bin(pos, _BIN_LEN[b])
         if 0xD4 <= b <= 0xD8:
-            n = 1 << (b - 0xD4)
-            code = src.take(pos, 1, "ext type")[0]
-            pos += 1
-            src.take(pos, 0, "ext")
-            if pos + n > src.size:
-                raise CorruptionError(f"ext at byte {pos} runs past the end of the file")
-            return on_ext(code, Span(pos, pos + n)), pos + n
-        if b in (0xC7, 0xC8, 0xC9):
-            n, pos = length(pos, {0xC7: 1, 0xC8: 2, 0xC9: 4}[b])
-            code = src.take(pos, 1, "ext type")[0]
-            pos += 1
-            if pos + n > src.size:
-                raise CorruptionError(f"ext at byte {pos} declares {n} bytes, past the end of the file")
-            return on_ext(code, Span(pos, pos + n)), pos + n
+            return self.fixext(pos, 1 << (b - 0xD4))
+        if b in _EXT_LEN:
+            return self.ext(pos, _EXT_LEN[b])
         raise CorruptionError(f"invalid msgpack type byte 0x{b:02x} at byte {pos - 1}")
 
-    def length(pos: int, width: int) -> tuple[int, int]:
-        raw = src.take(pos, width, "length")
+    def length(self, pos: int, width: int) -> tuple[int, int]:
+        raw = self.src.take(pos, width, "length")
         return int.from_bytes(raw, "big"), pos + width
 
-    def string(pos: int, n: int) -> tuple[str, int]:
-        raw = src.take(pos, n, "string")
+    def string(self, pos: int, n: int) -> tuple[str, int]:
+        raw = self.src.take(pos, n, "string")
         try:
             return raw.decode("utf-8"), pos + n
         except UnicodeDecodeError:
             raise CorruptionError(f"invalid UTF-8 string at byte {pos}") from None
 
-    def container(pos: int, n: int, is_map: bool, depth: int) -> tuple[Any, int]:
+    def bin(self, pos: int, width: int) -> tuple[bytes | Span, int]:
+        src = self.src
+        n, pos = self.length(pos, width)
+        src.take(pos, 0, "bin")
+        if pos + n > src.size:
+            raise CorruptionError(f"bin at byte {pos} declares {n} bytes, past the end of the file")
+        if n > 65536:
+            return Span(pos, pos + n), pos + n
+        return src.take(pos, n, "bin"), pos + n
+
+    def fixext(self, pos: int, n: int) -> tuple[Any, int]:
+        src = self.src
+        code = src.take(pos, 1, "ext type")[0]
+        pos += 1
+        src.take(pos, 0, "ext")
+        if pos + n > src.size:
+            raise CorruptionError(f"ext at byte {pos} runs past the end of the file")
+        return self.on_ext(code, Span(pos, pos + n)), pos + n
+
+    def ext(self, pos: int, width: int) -> tuple[Any, int]:
+        n, pos = self.length(pos, width)
+        code = self.src.take(pos, 1, "ext type")[0]
+        pos += 1
+        if pos + n > self.src.size:
+            raise CorruptionError(f"ext at byte {pos} declares {n} bytes, past the end of the file")
+        return self.on_ext(code, Span(pos, pos + n)), pos + n
+
+    def container(self, pos: int, n: int, is_map: bool, depth: int) -> tuple[Any, int]:
         # every item takes at least one byte: a count beyond what is left is a lie
-        if n > (src.size - pos) // (2 if is_map else 1):
+        if n > (self.src.size - pos) // (2 if is_map else 1):
             raise CorruptionError(f"container at byte {pos} declares {n} items, more than the file holds")
-        budget[0] -= n
-        if budget[0] < 0:
+        self.budget -= n
+        if self.budget < 0:
             raise CorruptionError(f"more than {MAX_ITEMS} items in the file")
         if is_map:
             out: dict[Any, Any] = {}
             for _ in range(n):
-                k, pos = value(pos, depth + 1)
+                k, pos = self.value(pos, depth + 1)
                 if isinstance(k, dict | list | Span | ExtLeaf):
                     raise CorruptionError(f"unhashable map key before byte {pos}")
-                v, pos = value(pos, depth + 1)
+                v, pos = self.value(pos, depth + 1)
                 out[k] = v
             return out, pos
         items = []
         for _ in range(n):
-            v, pos = value(pos, depth + 1)
+            v, pos = self.value(pos, depth + 1)
             items.append(v)
         return items, pos
-
-    return value(0, 0)

@@ -15,6 +15,7 @@ multi-host job the processes restore the save process 0 opened, or all of them r
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,6 +45,7 @@ from .format import (
     STATE_FILE,
     Index,
     Leaf,
+    LeafKind,
     aligned_empty,
     bytes_view,
     checkpoint_name,
@@ -89,7 +91,7 @@ class _Reader:
         if crc is not None and crc32c(data) != crc:
             raise CorruptionError(
                 f"{self.where}: leaf {path_str(leaf.path)}"
-                + (f" (chunk {part})" if leaf.kind == "ndc" else "")
+                + (f" (chunk {part})" if leaf.kind == LeafKind.NDC else "")
                 + " fails its CRC32C check",
                 path=STATE_FILE,
                 leaf=path_str(leaf.path),
@@ -103,73 +105,70 @@ class _Reader:
                                   path=STATE_FILE, leaf=path_str(leaf.path)) from None
 
     def read(self, leaves: list[Leaf]) -> dict[Path, Any]:
+        """The values of ``leaves`` (none sharded), by path: large ones read each alone,
+        small ones in batches of neighbours, all at once on up to ``threads`` threads."""
         out: dict[Path, Any] = {}
         jobs: list[Callable[[], None]] = []
         batch: list[Leaf] = []
-
-        def run_batch(group: list[Leaf]) -> Callable[[], None]:
-            start = group[0].ranges[0][0]
-            end = max(r[0] + r[1] for lf in group for r in lf.ranges)
-
-            def job() -> None:
-                buf = bytearray(end - start)
-                try:
-                    self.read_into(start, memoryview(buf))
-                except CorruptionError:
-                    for lf in group:  # find the leaf the damage is in
-                        off, n, _ = lf.ranges[0]
-                        self._fetch(off, memoryview(buf)[off - start : off - start + n], lf)
-                    raise
-                spans = [(lf.ranges[0][0] - start, lf.ranges[0][1]) for lf in group]
-                crcs = crc32c_slices(buf, spans)
-                base = np.frombuffer(buf, dtype=np.uint8)
-                for lf, (rel, n), got in zip(group, spans, crcs, strict=True):
-                    want = lf.ranges[0][2]
-                    if want is not None and got != want:
-                        self._check(lf, memoryview(buf)[rel : rel + n], want, 0)
-                    if lf.kind == "py":
-                        out[lf.path] = self._decode(lf, memoryview(buf)[rel : rel + n])
-                        continue
-                    assert lf.dtype is not None
-                    arr = base[rel : rel + n].view(lf.dtype).reshape(lf.shape)
-                    if not arr.flags.aligned:
-                        arr = arr.copy()
-                    out[lf.path] = arr[()] if lf.kind == "sc" else arr
-
-            return job
-
-        def big(lf: Leaf) -> Callable[[], None]:
-            def job() -> None:
-                assert lf.dtype is not None
-                arr = aligned_empty(lf.shape, lf.dtype)  # so that a device may alias it
-                flat = bytes_view(arr)
-                pos = 0
-                for i, (off, n, crc) in enumerate(lf.ranges):
-                    self._fetch(off, flat[pos : pos + n], lf)
-                    self._check(lf, flat[pos : pos + n], crc, i)
-                    pos += n
-                out[lf.path] = arr[()] if lf.kind == "sc" else arr
-
-            return job
-
         for lf in sorted(leaves, key=lambda lf: lf.ranges[0][0] if lf.ranges else -1):
-            if lf.kind == "lit":
+            if lf.kind == LeafKind.LIT:
                 out[lf.path] = lf.value
-            elif lf.kind == "ndc" or (lf.kind == "nd" and lf.nbytes >= SMALL_LEAF):  # (ndc: several ranges)
-                jobs.append(big(lf))
+            elif lf.kind == LeafKind.NDC or (lf.kind == LeafKind.ND and lf.nbytes >= SMALL_LEAF):  # (ndc: several ranges)
+                jobs.append(functools.partial(self._read_big, lf, out))
             else:
                 if batch and (lf.ranges[0][0] - (batch[-1].ranges[0][0] + batch[-1].ranges[0][1]) > 65536
                               or lf.ranges[0][0] + lf.ranges[0][1] - batch[0].ranges[0][0] > BATCH_BYTES):
-                    jobs.append(run_batch(batch))
+                    jobs.append(functools.partial(self._read_batch, batch, out))
                     batch = []
                 batch.append(lf)
         if batch:
-            jobs.append(run_batch(batch))
+            jobs.append(functools.partial(self._read_batch, batch, out))
         run_jobs(jobs, self.threads)
         return out
 
+    def _read_batch(self, group: list[Leaf], out: dict[Path, Any]) -> None:
+        """Read the one-range leaves ``group`` (in file order, close together) by one read
+        of the span they lie in."""
+        start = group[0].ranges[0][0]
+        end = max(r[0] + r[1] for lf in group for r in lf.ranges)
+        buf = bytearray(end - start)
+        try:
+            self.read_into(start, memoryview(buf))
+        except CorruptionError:
+            for lf in group:  # find the leaf the damage is in
+                off, n, _ = lf.ranges[0]
+                self._fetch(off, memoryview(buf)[off - start : off - start + n], lf)
+            raise
+        spans = [(lf.ranges[0][0] - start, lf.ranges[0][1]) for lf in group]
+        crcs = crc32c_slices(buf, spans)
+        base = np.frombuffer(buf, dtype=np.uint8)
+        for lf, (rel, n), got in zip(group, spans, crcs, strict=True):
+            want = lf.ranges[0][2]
+            if want is not None and got != want:
+                self._check(lf, memoryview(buf)[rel : rel + n], want, 0)
+            if lf.kind == LeafKind.PY:
+                out[lf.path] = self._decode(lf, memoryview(buf)[rel : rel + n])
+                continue
+            assert lf.dtype is not None
+            arr = base[rel : rel + n].view(lf.dtype).reshape(lf.shape)
+            if not arr.flags.aligned:
+                arr = arr.copy()
+            out[lf.path] = arr[()] if lf.kind == LeafKind.SC else arr
+
+    def _read_big(self, lf: Leaf, out: dict[Path, Any]) -> None:
+        """Read leaf ``lf`` alone, range by range, into a fresh aligned array."""
+        assert lf.dtype is not None
+        arr = aligned_empty(lf.shape, lf.dtype)  # so that a device may alias it
+        flat = bytes_view(arr)
+        pos = 0
+        for i, (off, n, crc) in enumerate(lf.ranges):
+            self._fetch(off, flat[pos : pos + n], lf)
+            self._check(lf, flat[pos : pos + n], crc, i)
+            pos += n
+        out[lf.path] = arr[()] if lf.kind == LeafKind.SC else arr
+
     def _decode(self, lf: Leaf, view: memoryview) -> Any:
-        if lf.kind == "py":
+        if lf.kind == LeafKind.PY:
             try:
                 return msgpack.unpackb(bytes(view), raw=False, ext_hook=_complex_hook, max_bin_len=view.nbytes)
             except (ValueError, msgpack.ExtraData, msgpack.FormatError, TypeError) as exc:
@@ -177,7 +176,7 @@ class _Reader:
                                       path=STATE_FILE, leaf=path_str(lf.path)) from None
         assert lf.dtype is not None
         arr = np.frombuffer(view, dtype=lf.dtype).reshape(lf.shape).copy()
-        return arr[()] if lf.kind == "sc" else arr
+        return arr[()] if lf.kind == LeafKind.SC else arr
 
 
 def _complex_hook(code: int, data: bytes) -> Any:
@@ -249,7 +248,7 @@ def _restore_whole(ckpt: Checkpoint, raw_index: bytes, state_size: int) -> Any:
         if not (isinstance(doc, dict) and doc.get("format") == INDEX_FORMAT and doc.get("str_keys") is True
                 and doc.get("state_size") == state_size and isinstance(doc.get("nodes"), list)):
             return _NO_FAST_PATH
-        if any(n[0] == 1 and n[2] == "sh" for n in doc["nodes"]):
+        if any(n[0] == 1 and n[2] == LeafKind.SH for n in doc["nodes"]):
             return _NO_FAST_PATH  # sharded arrays are not in the state file
         shaped = [(n[1], n[2]) for n in doc["nodes"] if n[0] == 0 and n[2] in ("list", "tuple")]
         value = msgpack.unpackb(ckpt.read_bytes(STATE_FILE), raw=False, strict_map_key=False,
@@ -453,6 +452,7 @@ def _restore(url_or_path: Any, target: Any, *, subtree: Selector, allow_missing:
 def _read(st: Store, name: str, ckpt: Checkpoint | None, found: FileInfo | None, target: Any, root: Path,
           allow_missing: bool, post: Callable[[Path, Any], Any] | None, threads: int) -> Any:
     """Read the tree of the opened checkpoint (or legacy file ``found``)."""
+    read_into: Callable[[int, memoryview], None]
     if ckpt is not None:
         where = ckpt.where(STATE_FILE)
         if STATE_FILE not in ckpt.files or INDEX_FILE not in ckpt.files:
@@ -467,53 +467,73 @@ def _read(st: Store, name: str, ckpt: Checkpoint | None, found: FileInfo | None,
         idx = parse_index(raw_index, state_size, ckpt.where(INDEX_FILE),
                           sizes=lambda f: files[f].size if f in files else None)
 
-        def read_into(off: int, mv: memoryview) -> None:
+        def read_state(off: int, mv: memoryview) -> None:
             ckpt.read_range_into(STATE_FILE, off, mv)
+
+        read_into = read_state
     else:
         assert found is not None
-        drv = st.driver
-        where = drv.describe(name)
-        size, generation = found.size, found.generation
-
-        def read_into(off: int, mv: memoryview) -> None:
-            if off + mv.nbytes > size:
-                raise CorruptionError(f"{where}: read past the end", path=where)
-            # a one-file checkpoint is replaced in place: every range from the version whose
-            # size we read (else PreconditionFailedError: read it again), never a mix
-            if mv.nbytes and drv.read_into(name, off, mv, generation=generation) != mv.nbytes:
-                raise CorruptionError(f"{where}: short read at byte {off}", path=where)
-
-        def read(a: int, b: int) -> bytes:
-            buf = bytearray(b - a)
-            read_into(a, memoryview(buf))
-            return bytes(buf)
-
-        idx = index_of_msgpack(read, size, where)
-
+        where, idx, read_into = _legacy_index(st, name, found)
     reader = _Reader(read_into, where, threads)
     if target is None:
-        if root and root not in idx.containers and root not in idx.leaves:
-            # flax writes every key as a string
-            cand = [p for p in [*idx.containers, *idx.leaves] if _match(p, root)]
-            if not cand:
-                raise NotFoundError(f"{where}: no subtree {path_str(root)}")
-            root = cand[0]
-        wanted = [lf for p, lf in idx.leaves.items() if p[: len(root)] == root]
-        values = reader.read([lf for lf in wanted if lf.kind != "sh"])
-        for lf in wanted:
-            if lf.kind == "sh":  # as numpy, whole
-                values[lf.path] = restore_array(_shard_reader(ckpt, lf, threads), None)
-        if post is not None:
-            values = {p: post(p[len(root):], v) for p, v in values.items()}
-        return _build(idx, values, root)
+        return _read_subtree(reader, idx, ckpt, root, post)
+    return _read_target(reader, idx, ckpt, target, root, allow_missing, post)
 
-    # with a target: its leaves name what to read
+
+def _legacy_index(st: Store, name: str, found: FileInfo) -> tuple[str, Index, Callable[[int, memoryview], None]]:
+    """(where, index, ranged reader) of the legacy flax file ``name`` whose info is
+    ``found``: its index is built by scanning it."""
+    drv = st.driver
+    where = drv.describe(name)
+    size, generation = found.size, found.generation
+
+    def read_into(off: int, mv: memoryview) -> None:
+        if off + mv.nbytes > size:
+            raise CorruptionError(f"{where}: read past the end", path=where)
+        # a one-file checkpoint is replaced in place: every range from the version whose
+        # size we read (else PreconditionFailedError: read it again), never a mix
+        if mv.nbytes and drv.read_into(name, off, mv, generation=generation) != mv.nbytes:
+            raise CorruptionError(f"{where}: short read at byte {off}", path=where)
+
+    def read(a: int, b: int) -> bytes:
+        buf = bytearray(b - a)
+        read_into(a, memoryview(buf))
+        return bytes(buf)
+
+    return where, index_of_msgpack(read, size, where), read_into
+
+
+def _read_subtree(reader: _Reader, idx: Index, ckpt: Checkpoint | None, root: Path,
+                  post: Callable[[Path, Any], Any] | None) -> Any:
+    """Without a target: every leaf below ``root``, in plain containers."""
+    if root and root not in idx.containers and root not in idx.leaves:
+        # flax writes every key as a string
+        cand = [p for p in [*idx.containers, *idx.leaves] if _match(p, root)]
+        if not cand:
+            raise NotFoundError(f"{reader.where}: no subtree {path_str(root)}")
+        root = cand[0]
+    wanted = [lf for p, lf in idx.leaves.items() if p[: len(root)] == root]
+    values = reader.read([lf for lf in wanted if lf.kind != LeafKind.SH])
+    for lf in wanted:
+        if lf.kind == LeafKind.SH:  # as numpy, whole
+            values[lf.path] = restore_array(_shard_reader(ckpt, lf, reader.threads), None)
+    if post is not None:
+        values = {p: post(p[len(root):], v) for p, v in values.items()}
+    return _build(idx, values, root)
+
+
+def _plan(idx: Index, target: Any, root: Path) -> tuple[dict[Path, Leaf | None], dict[Path, Any], list[str]]:
+    """What to read for ``target`` (a tree below ``root``): (its leaf paths -> the
+    checkpoint's leaf, None for a ``None`` the checkpoint holds as a container; its leaf
+    paths -> its leaves; the checkpoint paths it lacks)."""
     by_str = {tuple(str(k) for k in p): lf for p, lf in idx.leaves.items()}
     containers_str = {tuple(str(k) for k in p) for p in idx.containers}
     missing: list[str] = []
     plan: dict[Path, Leaf | None] = {}
+    targets: dict[Path, Any] = {}
 
     def note(path: Path, leaf: Any) -> Any:
+        targets[path] = leaf
         full = (*root, *path)
         lf = idx.leaves.get(full) or by_str.get(tuple(str(k) for k in full))
         if lf is None:
@@ -524,13 +544,15 @@ def _read(st: Store, name: str, ckpt: Checkpoint | None, found: FileInfo | None,
         plan[path] = lf
         return leaf
 
-    targets: dict[Path, Any] = {}
+    rebuild(target, note)
+    return plan, targets, missing
 
-    def note_target(path: Path, leaf: Any) -> Any:
-        targets[path] = note(path, leaf)
-        return leaf
 
-    rebuild(target, note_target)
+def _read_target(reader: _Reader, idx: Index, ckpt: Checkpoint | None, target: Any, root: Path,
+                 allow_missing: bool, post: Callable[[Path, Any], Any] | None) -> Any:
+    """With a target: its leaves name what to read, and the result has its structure."""
+    where = reader.where
+    plan, targets, missing = _plan(idx, target, root)
     if missing and not allow_missing:
         raise NotFoundError(
             f"{where}: the checkpoint lacks {len(missing)} key(s) the target has: "
@@ -538,10 +560,10 @@ def _read(st: Store, name: str, ckpt: Checkpoint | None, found: FileInfo | None,
             + " (pass allow_missing=True to keep the target's values)"
         )
     leaves = [lf for lf in plan.values() if lf is not None]
-    values = reader.read([lf for lf in leaves if lf.kind != "sh"])
+    values = reader.read([lf for lf in leaves if lf.kind != LeafKind.SH])
     for path, planned in plan.items():
-        if planned is not None and planned.kind == "sh":  # onto the target's sharding, if it has one
-            values[planned.path] = restore_array(_shard_reader(ckpt, planned, threads),
+        if planned is not None and planned.kind == LeafKind.SH:  # onto the target's sharding, if it has one
+            values[planned.path] = restore_array(_shard_reader(ckpt, planned, reader.threads),
                                                  targets.get(path) if post is None else None)
 
     def fill(path: Path, leaf: Any) -> Any:
@@ -557,8 +579,6 @@ def _read(st: Store, name: str, ckpt: Checkpoint | None, found: FileInfo | None,
         return post(path, v) if post is not None else v
 
     return rebuild(target, fill)
-
-
 
 
 def _has_sharding(leaf: Any) -> bool:

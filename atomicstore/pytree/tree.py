@@ -99,6 +99,12 @@ def children(node: Any, sort_keys: bool = True) -> tuple[str, list[tuple[Key, An
         return "tuple", list(enumerate(node))
     if is_leaf_value(node):
         return None
+    return _registered_children(node)
+
+
+def _registered_children(node: Any) -> tuple[str, list[tuple[Key, Any]]] | None:
+    """:func:`children` of a node of no built-in container type: a node registered with
+    ``jax.tree_util`` (its children keyed as jax names them), or any other mapping."""
     jax = _jax()
     if jax is not None:
         flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)

@@ -37,6 +37,7 @@ from .format import (
     SHARD_BLOCK,
     SHARDED_PH,
     STATE_FILE,
+    LeafKind,
     Shard,
     bytes_view,
     checkpoint_name,
@@ -236,47 +237,59 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list[list[Any]], opt
     if depth > mp.MAX_DEPTH:
         _too_deep(path, depth)
     kids = children(node, opts.sort_keys)
-    if kids is not None and kids[0] != "none":
-        kind, items = kids
-        keys = set()
-        for k, _ in items:
-            if not isinstance(k, str | int | bytes):
-                raise InvalidArgumentError(f"key {k!r} under {path_str(path)} must be str, int or bytes")
-            sk = k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k)
-            if sk in keys:
-                raise InvalidArgumentError(f"keys under {path_str(path)} collide as strings: {sk!r}")
-            keys.add(sk)
-        index.append([0, list(path), kind])
-        em.small(mp.map_header(len(items)))
-        plain = opts.gather is None and opts.cast_dtype is None
-        lpath = list(path)
-        pack, crc_of, heads, ndarray = em.pack, google_crc32c.value, _HEADS, np.ndarray
-        for k, child in items:
-            kb = pack(k if type(k) is str else k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k))
-            hit = None
-            if plain and depth < mp.MAX_DEPTH and type(child) is ndarray and child.nbytes < 65536 \
-                    and child.flags.c_contiguous:
-                # (only storable dtypes ever get a head: others go the checked way below)
-                hit = heads.get((child.dtype, child.shape, EXT_NDARRAY))
-                if hit is None and is_storable(child.dtype):
-                    hit = _array_head(child, EXT_NDARRAY)
-            if hit is not None:
-                # the common case of many small arrays, inlined: straight into the buffer
-                raw = child.tobytes()
-                buf = em.buf
-                buf += kb
-                buf += hit[0]
-                off = em.flushed + len(buf)
-                buf += raw
-                index.append([1, [*lpath, k], "nd", hit[1], list(child.shape), off, len(raw), crc_of(raw)])
-                if len(buf) >= SMALL_LEAF:
-                    em.flush()
-                continue
-            em.small(kb)
-            _write_node(em, child, (*path, k), index, opts, depth + 1)
+    if kids is None or kids[0] == "none":
+        _write_value(em, node, path, index, opts, depth)
         return
+    kind, items = kids
+    _check_keys(items, path)
+    index.append([0, list(path), kind])
+    em.small(mp.map_header(len(items)))
+    plain = opts.gather is None and opts.cast_dtype is None
+    lpath = list(path)
+    pack, crc_of, heads, ndarray, nd = em.pack, google_crc32c.value, _HEADS, np.ndarray, LeafKind.ND
+    for k, child in items:
+        kb = pack(k if type(k) is str else k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k))
+        hit = None
+        if plain and depth < mp.MAX_DEPTH and type(child) is ndarray and child.nbytes < 65536 \
+                and child.flags.c_contiguous:
+            # (only storable dtypes ever get a head: others go the checked way below)
+            hit = heads.get((child.dtype, child.shape, EXT_NDARRAY))
+            if hit is None and is_storable(child.dtype):
+                hit = _array_head(child, EXT_NDARRAY)
+        if hit is not None:
+            # the common case of many small arrays, inlined: straight into the buffer
+            raw = child.tobytes()
+            buf = em.buf
+            buf += kb
+            buf += hit[0]
+            off = em.flushed + len(buf)
+            buf += raw
+            index.append([1, [*lpath, k], nd, hit[1], list(child.shape), off, len(raw), crc_of(raw)])
+            if len(buf) >= SMALL_LEAF:
+                em.flush()
+            continue
+        em.small(kb)
+        _write_node(em, child, (*path, k), index, opts, depth + 1)
+
+
+def _check_keys(items: list[tuple[Any, Any]], path: Path) -> None:
+    """The keys of a container's ``items`` are str, int or bytes, distinct as strings."""
+    keys = set()
+    for k, _ in items:
+        if not isinstance(k, str | int | bytes):
+            raise InvalidArgumentError(f"key {k!r} under {path_str(path)} must be str, int or bytes")
+        sk = k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k)
+        if sk in keys:
+            raise InvalidArgumentError(f"keys under {path_str(path)} collide as strings: {sk!r}")
+        keys.add(sk)
+
+
+def _write_value(em: _Emitter, node: Any, path: Path, index: list[list[Any]], opts: _SaveOptions,
+                 depth: int) -> None:
+    """Write ``node``, which is not a container: a leaf, a sharded array's placeholder, or
+    None."""
     if isinstance(node, ShardedLeaf):  # its bytes are in shard files; the index lists them
-        index.append([1, list(path), "sh", node.dtype.name, list(node.shape), node])
+        index.append([1, list(path), LeafKind.SH, node.dtype.name, list(node.shape), node])
         em.small(mp.pack(SHARDED_PH + node.key))
         return
     if node is None:
@@ -285,40 +298,50 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list[list[Any]], opt
         return
     x = _to_numpy(path, node, opts)
     if isinstance(x, np.ndarray):
-        _check_array(path, x)
-        cast = opts.cast_dtype
-        if cast is None or cast == x.dtype or not is_float(x.dtype):
-            cast = None
-        own = x is node and cast is None  # the tree's own array (not a converted temporary)
-        if x.size * (cast or x.dtype).itemsize > FLAX_MAX_CHUNK:
-            if depth + 2 > mp.MAX_DEPTH:  # flax's chunked layout: two maps below the leaf
-                _too_deep(path, depth + 2)
-            _write_chunked(em, x, path, index, own, cast)
-            return
-        off, n, crc, name = _ndarray_ext(em, x, EXT_NDARRAY, own, cast)
-        index.append([1, list(path), "nd", name, list(x.shape), off, n, crc])
+        _write_array(em, x, x is node, path, index, opts, depth)
     elif isinstance(x, np.generic):
         arr = np.asarray(x)
         _check_array(path, arr)
         off, n, crc, name = _ndarray_ext(em, arr, EXT_NPSCALAR)
-        index.append([1, list(path), "sc", name, [], off, n, crc])
+        index.append([1, list(path), LeafKind.SC, name, [], off, n, crc])
     elif isinstance(x, complex):
         payload = msgpack.packb((x.real, x.imag))  # as flax packs it
-        blob = mp.ext_header(EXT_COMPLEX, len(payload)) + payload
-        index.append([1, list(path), "py", None, None, em.offset, len(blob), crc32c(blob)])
-        em.small(blob)
+        _write_py(em, mp.ext_header(EXT_COMPLEX, len(payload)) + payload, path, index)
     elif isinstance(x, bool | int | float | str | bytes):
         try:
             blob = mp.pack(x)
         except (OverflowError, TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"leaf {path_str(path)} cannot be encoded: {exc}") from None
-        index.append([1, list(path), "py", None, None, em.offset, len(blob), crc32c(blob)])
-        em.small(blob)
+        _write_py(em, blob, path, index)
     else:
         raise InvalidArgumentError(
             f"leaf {path_str(path)} has unsupported type {type(node).__name__}: use arrays, numbers, "
             "str, bytes, None, or containers registered as jax pytree nodes"
         )
+
+
+def _write_array(em: _Emitter, x: np.ndarray, is_own: bool, path: Path, index: list[list[Any]],
+                 opts: _SaveOptions, depth: int) -> None:
+    """Write the array leaf ``x`` (``is_own``: the tree's own array, not a converted copy),
+    cast as ``opts`` says; chunked as flax does when over :data:`FLAX_MAX_CHUNK` bytes."""
+    _check_array(path, x)
+    cast = opts.cast_dtype
+    if cast is None or cast == x.dtype or not is_float(x.dtype):
+        cast = None
+    own = is_own and cast is None  # the tree's own array (not a converted temporary)
+    if x.size * (cast or x.dtype).itemsize > FLAX_MAX_CHUNK:
+        if depth + 2 > mp.MAX_DEPTH:  # flax's chunked layout: two maps below the leaf
+            _too_deep(path, depth + 2)
+        _write_chunked(em, x, path, index, own, cast)
+        return
+    off, n, crc, name = _ndarray_ext(em, x, EXT_NDARRAY, own, cast)
+    index.append([1, list(path), LeafKind.ND, name, list(x.shape), off, n, crc])
+
+
+def _write_py(em: _Emitter, blob: bytes, path: Path, index: list[list[Any]]) -> None:
+    """Write a leaf that is not an array: ``blob`` is its complete msgpack encoding."""
+    index.append([1, list(path), LeafKind.PY, None, None, em.offset, len(blob), crc32c(blob)])
+    em.small(blob)
 
 
 def _write_chunked(em: _Emitter, arr: np.ndarray, path: Path, index: list[list[Any]], own: bool = False,
@@ -345,7 +368,7 @@ def _write_chunked(em: _Emitter, arr: np.ndarray, path: Path, index: list[list[A
             em.small(mp.pack(str(i)) + _head_for(dt, (count,), EXT_NDARRAY)[0])
             off, want = em.offset, count * dt.itemsize
             chunks.append([off, want, stream.emit(em, want)])
-    index.append([1, list(path), "ndc", dt.name, list(arr.shape), chunks])
+    index.append([1, list(path), LeafKind.NDC, dt.name, list(arr.shape), chunks])
 
 
 def _progress_printer(total: int) -> Callable[[int], None]:
@@ -410,7 +433,7 @@ class StateWriter:
 
 def _sharded_nodes(index: list[list[Any]], shards: dict[int, list[Shard]]) -> list[list[Any]]:
     """The index with each sharded array's placeholder replaced by its shard list."""
-    return [[*n[:5], [s.to_index() for s in shards[n[5].n]]] if n[0] == 1 and n[2] == "sh" else n
+    return [[*n[:5], [s.to_index() for s in shards[n[5].n]]] if n[0] == 1 and n[2] == LeafKind.SH else n
             for n in index]
 
 
