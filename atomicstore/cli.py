@@ -483,8 +483,10 @@ def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
 
 
 def _open(url: str, options: dict[str, Any], *, create: bool = False) -> Store:
-    """The store at ``url`` (:func:`store_at`: a root the command asks twice is opened
-    once), refusing a local directory that does not exist (unless ``create``)."""
+    """The store at ``url`` (:func:`store_at`: opened once per process for its root and
+    options, so a root a command asks twice costs one client), refusing a local directory
+    that does not exist (unless ``create``). What a root must not be (inside a checkpoint,
+    an attempt, the reserved directory) is checked by :func:`_inside` on every command."""
     if "://" not in url and not create and not os.path.isdir(url.removeprefix("file://")):
         raise NotFoundError(f"{url}: no such directory")
     return store_at(url, **options)

@@ -157,7 +157,8 @@ def locate(url_or_path: str | os.PathLike[str], *, store: Store | None = None, a
            **options: Any) -> tuple[Store, str]:
     """(store, checkpoint name) of the location ``<root>/<name>``: the root's store from
     :func:`store_at` with ``options``; with ``store``, that store and the name
-    :func:`checkpoint_name` finds in it. ``absolute`` as for :func:`split_location`."""
+    :func:`checkpoint_name` finds in it (``options`` are then not used: the store is
+    open already). ``absolute`` as for :func:`split_location`."""
     if store is not None:
         return store, checkpoint_name(url_or_path, store)
     root, name = split_location(url_or_path, absolute=absolute)
