@@ -367,7 +367,7 @@ def test_every_entry_point_shares_one_store_per_root_and_options(tmp_path, monke
 
 
 def test_two_option_sets_or_two_protocols_never_share_a_store(tmp_path, monkeypatch):
-    from atomicstore.commit.locator import store_at
+    from atomicstore.commit.locator import forget_stores, store_at
 
     opened = _opens(monkeypatch)
     root = str(tmp_path / "s")
@@ -381,6 +381,10 @@ def test_two_option_sets_or_two_protocols_never_share_a_store(tmp_path, monkeypa
     assert store_at(root, clock=clocks[0]) is store_at(root, clock=clocks[0])
     assert store_at("memory://loc/a", skip_instance_cache=True) is not store_at("memory://loc/a")
     assert len(opened) == 8
+    forget_stores(root)  # every store of that root, whatever its options; the others stay
+    assert store_at(root) is not a and store_at(f"local://{root}") is store_at(f"local://{root}")
+    assert store_at("memory://loc/a/") is store_at("memory://loc/a")
+    assert len(opened) == 9
 
 
 def test_concurrent_lookups_open_one_store(tmp_path, monkeypatch):

@@ -165,10 +165,17 @@ def locate(url_or_path: str | os.PathLike[str], *, store: Store | None = None, a
     return store_at(root, **options), name
 
 
-def forget_stores() -> None:
-    """Empty the cache (the stores stay usable by whoever holds them)."""
+def forget_stores(root: str | os.PathLike[str] | None = None) -> None:
+    """Drop the cached stores rooted at ``root`` (whatever their options), or every cached
+    store; the stores stay usable by whoever holds them, a later lookup opens anew."""
+    if root is None:
+        with _LOCK:
+            _STORES.clear()
+        return
+    where = _key(os.fspath(root), {})[:3]
     with _LOCK:
-        _STORES.clear()
+        for key in [k for k in _STORES if k[:3] == where]:
+            del _STORES[key]
 
 
 __all__ = ["checkpoint_name", "forget_stores", "is_local", "locate", "names_checkpoint", "same_root",
