@@ -1080,7 +1080,7 @@ class CheckpointManager:
     def _path(self, filename: str | os.PathLike[str]) -> str:
         f = path_argument(filename, "filename")
         d = self.checkpoint_dir
-        return f"{d.rstrip('/')}/{f}" if not is_local(d) else os.path.join(d, f)
+        return os.path.join(d, f) if is_local(d) else f"{d.rstrip('/')}/{f}"
 
     def save_checkpoint(self, state: PyTree, filename: str | os.PathLike[str], gather_fns: PyTree | None = None,
                         mismatch_allowed: bool = True) -> None:

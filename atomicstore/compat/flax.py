@@ -248,7 +248,7 @@ def _step_names(st: Store, prefix: str) -> list[str]:
 
 
 def _join(ckpt_dir: str, name: str) -> str:
-    return f"{ckpt_dir.rstrip('/')}/{name}" if not is_local(ckpt_dir) else os.path.join(ckpt_dir, name)
+    return os.path.join(ckpt_dir, name) if is_local(ckpt_dir) else f"{ckpt_dir.rstrip('/')}/{name}"
 
 
 def _step_of(name: str, prefix: str) -> float:
@@ -379,8 +379,6 @@ def _remove_invalid(st: Store, name: str, prefix: str, keep: int, overwrite: boo
         # the main file is the commit point: un-published first, at the generation read
         # (one replaced meanwhile by another writer is not the step retention judged: kept)
         delete_one_file_step(st, old, old + MP_ARRAY_POSTFIX)
-
-
 
 
 def save_checkpoint_multiprocess(
@@ -560,7 +558,7 @@ def restore_checkpoint(
             path = latest
         else:
             path = ckpt_dir
-    parent, name = (path.rstrip("/").rsplit("/", 1) if not is_local(path) else os.path.split(os.path.abspath(path)))
+    parent, name = (os.path.split(os.path.abspath(path)) if is_local(path) else path.rstrip("/").rsplit("/", 1))
     st = _store(parent, storage_options)
     if orbax or _lists_orbax(st, name):
         out = _restore_orbax(path, target, orbax_checkpointer, orbax_transforms)
