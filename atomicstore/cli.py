@@ -34,7 +34,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import __version__
-from .commit import Store, conformance, crc32c, open_store, validate_name
+from .commit import Store, conformance, crc32c, validate_name
+from .commit.locator import is_local, split_location, store_at
 from .commit.names import RESERVED_DIR
 from .commit.strategies import ATTEMPT_PREFIX
 from .errors import (
@@ -47,7 +48,6 @@ from .errors import (
     PreconditionFailedError,
     StorageError,
 )
-from .pytree import split_url
 
 log = logging.getLogger("atomicstore.cli")
 
@@ -171,17 +171,13 @@ class _Replaced(Exception):
     command starts again (at most :data:`TRIES` times)."""
 
 
-def _is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
-
-
 def _inside(root: str, options: dict[str, Any]) -> str | None:
     """Where ``root`` (a store root about to be used) lies inside something that is not a
     store: a committed checkpoint, a save's attempt, atomicstore's reserved directory or
     the arrays directory of a flax checkpoint (``<name>_gda``). Returns a description of it,
     or None. Each ancestor is asked through the commit layer (``Store.exists``)."""
     cur = root.removeprefix("file://").rstrip("/")
-    if _is_local(root):
+    if is_local(root):
         cur = os.path.abspath(cur)
     for _ in range(64):
         parent, _sep, base = cur.rpartition("/")
@@ -191,7 +187,7 @@ def _inside(root: str, options: dict[str, Any]) -> str | None:
             return f"{cur} (atomicstore's reserved directory)"
         if base.startswith(ATTEMPT_PREFIX):
             return f"{cur} (the files of one save attempt)"
-        if _is_local(root) and not os.path.isdir(cur):
+        if is_local(root) and not os.path.isdir(cur):
             cur = parent  # not there (a destination to be made): nothing to ask
             continue
         try:
@@ -199,7 +195,7 @@ def _inside(root: str, options: dict[str, Any]) -> str | None:
         except InvalidArgumentError:
             cur = parent  # no checkpoint can have this name
             continue
-        outer = _open(parent, {} if _is_local(root) else options)
+        outer = _open(parent, {} if is_local(root) else options)
         try:
             if outer.exists(base):
                 return f"checkpoint {outer.driver.describe(base)}"
@@ -246,7 +242,7 @@ def _resolve(root: str, name: str, options: dict[str, Any], *, create: bool = Fa
 
 def _locate(url: str, options: dict[str, Any]) -> tuple[Store, str, str]:
     """:func:`_resolve` of ``STORE/NAME``; NotFoundError (exit 3) if nothing is there."""
-    root, name = split_url(url)
+    root, name = split_location(url)
     st, name, kind = _resolve(root, name, options)
     if kind is None:
         raise NotFoundError(f"no checkpoint {name!r} in {st.url}")
@@ -486,34 +482,28 @@ def cmd_verify(args: argparse.Namespace, out: _Out) -> int:
     return EXIT_OK if all(r["ok"] for r in results) else EXIT_BAD_DATA
 
 
-#: stores the running command opened, by URL and options (it may ask one root twice: an
-#: object-store client costs a connection to make)
-_STORES: dict[tuple[str, str], Store] = {}
-
-
 def _open(url: str, options: dict[str, Any], *, create: bool = False) -> Store:
-    """open_store, refusing a local directory that does not exist (unless ``create``)."""
+    """The store at ``url`` (:func:`store_at`: opened once per process for its root and
+    options, so a root a command asks twice costs one client), refusing a local directory
+    that does not exist (unless ``create``). What a root must not be (inside a checkpoint,
+    an attempt, the reserved directory) is checked by :func:`_inside` on every command."""
     if "://" not in url and not create and not os.path.isdir(url.removeprefix("file://")):
         raise NotFoundError(f"{url}: no such directory")
-    key = (url, json.dumps(options, sort_keys=True, default=str))
-    st = _STORES.get(key)
-    if st is None:
-        st = _STORES[key] = open_store(url, **options)
-    return st
+    return store_at(url, **options)
 
 
 def _store_or_checkpoint(url: str, options: dict[str, Any]) -> tuple[Store, list[tuple[str, str]], bool]:
     """URL names a checkpoint (``STORE/NAME``) or a store (all its checkpoints): (store,
     [(name, kind)], whether the URL named one checkpoint)."""
     try:
-        root, name = split_url(url.removeprefix("file://") if _is_local(url) else url)
+        root, name = split_location(url.removeprefix("file://") if is_local(url) else url)
         validate_name(name)
     except InvalidArgumentError:
         pass  # no checkpoint can have this name: a store
     else:
-        if _is_local(url):
+        if is_local(url):
             root = os.path.abspath(root)
-        if not _is_local(url) or os.path.isdir(root):
+        if not is_local(url) or os.path.isdir(root):
             parent, name, kind = _resolve(root, name, options)
             if kind is not None:
                 return parent, [(name, kind)], True
@@ -626,14 +616,14 @@ def _inspect(st: Store, name: str, kind: str, out: _Out) -> int:
 
 
 def cmd_cp(args: argparse.Namespace, out: _Out) -> int:
-    sroot, sname = split_url(args.src)
+    sroot, sname = split_location(args.src)
     # -o is for the remote side(s); a local path takes no storage options
     src, sname, skind = _resolve(sroot, sname, args.options if "://" in sroot else {})
     if skind is None:
         raise NotFoundError(f"no checkpoint {sname!r} in {src.url}")
     dst_opts = _options(args.dst_option) if args.dst_option else (args.options if "://" in args.dst else {})
     try:
-        droot, dname = split_url(args.dst)
+        droot, dname = split_location(args.dst)
     except InvalidArgumentError:
         droot, dname = args.dst, sname  # a bucket: the same name there
     dst, dname, dkind = _resolve(droot, dname, dst_opts, create=True)
@@ -817,7 +807,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = _Out(args.json)
-    _STORES.clear()  # (one command's stores: nothing is kept from an earlier call in this process)
     try:
         args.options = _options(args.option)
         return int(args.fn(args, out))

@@ -52,7 +52,6 @@ import json
 import logging
 import math
 import os
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +60,8 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-from ..commit import Store, crc32c, open_store, path_argument, validate_name, validate_path
+from ..commit import Store, crc32c, path_argument, validate_name, validate_path
+from ..commit.locator import is_local, split_location, store_at
 from ..commit.manifest import crc32c_combine
 from ..commit.strategies import read_capped
 from ..errors import (
@@ -217,13 +217,7 @@ def _functions(fns: Any, what: str, fl: Any) -> dict[KeyPath, Callable[[Any], An
 
 
 # -- stores ---------------------------------------------------------------------------------
-_stores: dict[tuple[str, str], Store] = {}
 _recovered: set[str] = set()
-_lock = threading.Lock()
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
 
 
 def _locate(path: Any, storage_options: Any, *, writing: bool) -> tuple[Store, str]:
@@ -231,27 +225,22 @@ def _locate(path: Any, storage_options: Any, *, writing: bool) -> tuple[Store, s
     file that does not exist raises :class:`NotFoundError` without creating anything."""
     p = path_argument(path, "path")
     opts = _check_options(storage_options)
-    if _is_url(p):
-        root, _, name = p.rstrip("/").rpartition("/")
-        if not root or not name or root.endswith(":/"):
-            raise InvalidArgumentError(f"{p!r} does not name a file inside a bucket ('s3://bucket/dir/file')")
-    else:
+    local = is_local(p)
+    if local:
         p = os.path.abspath(p.removeprefix("file://"))
         root, name = os.path.split(p)
+    else:
+        try:
+            root, name = split_location(p)
+        except InvalidArgumentError:
+            raise InvalidArgumentError(f"{p!r} does not name a file inside a bucket ('s3://bucket/dir/file')") from None
     if writing:
         validate_name(name)
     else:
         validate_path(name, what="checkpoint file name")
-        if not _is_url(p) and not os.path.isfile(p):
+        if local and not os.path.isfile(p):
             raise NotFoundError(f"{p}: no such checkpoint file")
-    if not _is_url(p):
-        return open_store(root, **opts), name
-    key = (root, repr(sorted(opts.items())))
-    with _lock:
-        st = _stores.get(key)
-        if st is None:
-            st = _stores[key] = open_store(root, **opts)
-    return st, name
+    return store_at(root, **opts), name
 
 
 def _recover_once(st: Store) -> None:
@@ -1091,7 +1080,7 @@ class CheckpointManager:
     def _path(self, filename: str | os.PathLike[str]) -> str:
         f = path_argument(filename, "filename")
         d = self.checkpoint_dir
-        return f"{d.rstrip('/')}/{f}" if _is_url(d) else os.path.join(d, f)
+        return os.path.join(d, f) if is_local(d) else f"{d.rstrip('/')}/{f}"
 
     def save_checkpoint(self, state: PyTree, filename: str | os.PathLike[str], gather_fns: PyTree | None = None,
                         mismatch_allowed: bool = True) -> None:

@@ -32,12 +32,13 @@ import json
 import logging
 import os
 import re
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..commit import Store, Transaction, open_store, path_argument
+from ..commit import Store, Transaction, path_argument
+from ..commit.adapters import delete_one_file_step
+from ..commit.locator import is_local, store_at
 from ..commit.names import FLOAT_RE
 from ..errors import (
     AtomicStoreError,
@@ -190,26 +191,14 @@ class AsyncManager:
 
 
 # -- storage ------------------------------------------------------------------------------
-_stores: dict[tuple[str, str], Store] = {}
 _recovered: set[tuple[str, str]] = set()
-_lock = threading.Lock()
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
 
 
 def _store(path: str, storage_options: Mapping[str, Any] | None, prefix: str | None = None) -> Store:
-    """The store rooted at ``path`` (object-store clients are reused), recovered once per
-    process when ``prefix`` is given."""
+    """The store rooted at ``path`` (opened once per process: :func:`store_at`), recovered
+    once per process when ``prefix`` is given."""
     opts = dict(storage_options or {})
-    if not _is_url(path):
-        st = open_store(os.path.abspath(path.removeprefix("file://")), **opts)
-    else:
-        key = (path.rstrip("/"), repr(sorted(opts.items())))
-        with _lock:
-            st = _stores.get(key) or open_store(path, **opts)
-            _stores[key] = st
+    st = store_at(os.path.abspath(path.removeprefix("file://")) if is_local(path) else path, **opts)
     if prefix is not None and (st.url, prefix) not in _recovered:
         report = st.recover(flax_prefix=prefix)
         if report.actions:
@@ -220,7 +209,7 @@ def _store(path: str, storage_options: Mapping[str, Any] | None, prefix: str | N
 
 def _kind(path: str, storage_options: Mapping[str, Any] | None) -> str | None:
     """'dir', 'file' or None (missing) without creating anything."""
-    if not _is_url(path):
+    if is_local(path):
         p = path.removeprefix("file://")
         return "dir" if os.path.isdir(p) else "file" if os.path.exists(p) else None
     parent, _, base = path.rstrip("/").rpartition("/")
@@ -259,7 +248,7 @@ def _step_names(st: Store, prefix: str) -> list[str]:
 
 
 def _join(ckpt_dir: str, name: str) -> str:
-    return f"{ckpt_dir.rstrip('/')}/{name}" if _is_url(ckpt_dir) else os.path.join(ckpt_dir, name)
+    return os.path.join(ckpt_dir, name) if is_local(ckpt_dir) else f"{ckpt_dir.rstrip('/')}/{name}"
 
 
 def _step_of(name: str, prefix: str) -> float:
@@ -369,9 +358,9 @@ def _check_not_native(st: Store, name: str) -> None:
 def _remove_invalid(st: Store, name: str, prefix: str, keep: int, overwrite: bool,
                     keep_every_n_steps: int | None) -> None:
     """flax's clean-up after a commit: newer steps go when overwriting, then all but the
-    ``keep`` newest, except one every ``keep_every_n_steps``. A step's ``_gda`` directory
-    goes first, then its main file (the commit point), so a crash in between leaves a
-    committed-looking step whose arrays recovery cannot orphan."""
+    ``keep`` newest, except one every ``keep_every_n_steps``. A step's main file (its
+    commit point) goes first, then its ``_gda`` directory, so a crash in between leaves
+    arrays without a step, which recovery removes, never a listed step without its arrays."""
     names = _step_names(st, prefix)
     doomed = []
     if overwrite and name in names:
@@ -387,19 +376,9 @@ def _remove_invalid(st: Store, name: str, prefix: str, keep: int, overwrite: boo
         doomed.append(old)
     for old in doomed:
         log.info("removing checkpoint %s", st.driver.describe(old))
-        _delete_step(st, old)
-
-
-def _delete_step(st: Store, name: str) -> None:
-    d = st.driver
-    try:  # the main file is the commit point: un-publish first, the generation read
-        d.delete(name, if_generation=d.info(name).generation)
-    except NotFoundError:
-        pass
-    except PreconditionFailedError:
-        return  # replaced meanwhile by another writer: not the step retention judged
-    if d.exists(name + MP_ARRAY_POSTFIX) or d.listdir(name + MP_ARRAY_POSTFIX):
-        d.delete_tree(name + MP_ARRAY_POSTFIX)
+        # the main file is the commit point: un-published first, at the generation read
+        # (one replaced meanwhile by another writer is not the step retention judged: kept)
+        delete_one_file_step(st, old, old + MP_ARRAY_POSTFIX)
 
 
 def save_checkpoint_multiprocess(
@@ -579,7 +558,7 @@ def restore_checkpoint(
             path = latest
         else:
             path = ckpt_dir
-    parent, name = (path.rstrip("/").rsplit("/", 1) if _is_url(path) else os.path.split(os.path.abspath(path)))
+    parent, name = (os.path.split(os.path.abspath(path)) if is_local(path) else path.rstrip("/").rsplit("/", 1))
     st = _store(parent, storage_options)
     if orbax or _lists_orbax(st, name):
         out = _restore_orbax(path, target, orbax_checkpointer, orbax_transforms)
@@ -619,7 +598,7 @@ def _version(st: Store, name: str) -> tuple[Any, ...] | None:
 # -- Orbax step directories (what flax >= 0.8 writes by default) ------------------------------------
 def _is_orbax(path: str, storage_options: Mapping[str, Any] | None) -> bool:
     """Is the directory ``path`` an Orbax checkpoint (it holds one of Orbax's files)?"""
-    if not _is_url(path):  # (no store opened: nothing is created beside the user's directory)
+    if is_local(path):  # (no store opened: nothing is created beside the user's directory)
         p = path.removeprefix("file://")
         return any(os.path.exists(os.path.join(p, f)) for f in ORBAX_FILES)
     parent, _, name = path.rstrip("/").rpartition("/")

@@ -71,7 +71,9 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..commit import Checkpoint, Store, Transaction, open_store
+from ..commit import Checkpoint, Store, Transaction
+from ..commit.adapters import open_attempt_file
+from ..commit.locator import names_checkpoint, split_location, store_at
 from ..commit.manifest import crc32c, crc32c_combine
 from ..drivers import Writer
 from ..errors import (
@@ -84,7 +86,6 @@ from ..errors import (
     PreconditionFailedError,
     TransactionError,
 )
-from ..pytree import split_url
 
 try:  # DCP's stream extensions and serialization formats (torch >= 2.7)
     from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
@@ -135,21 +136,9 @@ class ItemRecord:
 # -- helpers ------------------------------------------------------------------------------
 def _split(checkpoint_id: str | os.PathLike[str]) -> tuple[str, str]:
     """(store root, checkpoint name); a plain path is made absolute."""
-    if isinstance(checkpoint_id, os.PathLike):
-        checkpoint_id = os.fspath(checkpoint_id)
-    if not isinstance(checkpoint_id, str):
+    if not isinstance(checkpoint_id, str | os.PathLike):
         raise InvalidArgumentError(f"checkpoint id must be a path or URL string, not {type(checkpoint_id).__name__}")
-    if "://" not in checkpoint_id and checkpoint_id.strip():
-        checkpoint_id = os.path.abspath(checkpoint_id)
-    return split_url(checkpoint_id)
-
-
-def _is_url(checkpoint_id: object) -> bool:
-    try:
-        _split(checkpoint_id)  # type: ignore[arg-type]
-    except InvalidArgumentError:
-        return False
-    return True
+    return split_location(checkpoint_id, absolute=True)
 
 
 def _where_to(checkpoint_id: str | os.PathLike[str] | None, path: str | os.PathLike[str] | None,
@@ -430,7 +419,7 @@ class _Located:
     def store(self) -> Store:
         """The store holding the checkpoint (opened on first use, again if the root changed)."""
         if self._store is None or self._store.url.rstrip("/") != self.root.rstrip("/"):
-            self._store = open_store(self.root, **self.store_options)
+            self._store = store_at(self.root, **self.store_options)
         return self._store
 
 
@@ -625,12 +614,12 @@ class AtomicStorageWriter(_Located, StorageWriter, BlockingAsyncStager):
             raise TransactionError("AtomicStorageWriter.write_data: the plan was not made by AtomicStorageWriter "
                                    "(prepare_global_plan)")
         jobs = self._files(plan, where)
-        driver = self.store.driver
+        store = self.store
         extensions = self.extensions
         descriptors = tuple(ex.get_descriptor() for ex in reversed(extensions))  # (the stock writer's order)
 
         def one(file: str, items: list[WriteItem]) -> list[WriteResult]:
-            w = driver.open_writer(f"{where.prefix}/{file}")
+            w = open_attempt_file(store, where.prefix, file)
             stream = _ItemStream(w)
             spans: list[tuple[WriteItem, int, int, int]] = []
             try:
@@ -723,7 +712,7 @@ class AtomicStorageWriter(_Located, StorageWriter, BlockingAsyncStager):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return _is_url(checkpoint_id)
+        return names_checkpoint(checkpoint_id, absolute=True)
 
 
 # -- reader -------------------------------------------------------------------------------
@@ -989,7 +978,7 @@ class AtomicStorageReader(_Located, StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return _is_url(checkpoint_id)
+        return names_checkpoint(checkpoint_id, absolute=True)
 
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:

@@ -11,9 +11,9 @@ The only layer that imports numpy (and jax, lazily, when a tree holds jax object
 """
 
 from .coordination import DEFAULT_TIMEOUT, Session, multihost
-from .format import INDEX_FILE, STATE_FILE, split_url
+from .format import INDEX_FILE, STATE_FILE
 from .reader import restore, restore_with_manifest
 from .writer import PreparedSave, StateWriter, save
 
 __all__ = ["DEFAULT_TIMEOUT", "INDEX_FILE", "STATE_FILE", "PreparedSave", "Session", "StateWriter", "multihost",
-           "restore", "restore_with_manifest", "save", "split_url"]
+           "restore", "restore_with_manifest", "save"]

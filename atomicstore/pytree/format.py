@@ -21,7 +21,6 @@ writer (:mod:`.writer`) and the reader (:mod:`.reader`) do.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -31,8 +30,6 @@ import msgpack
 import numpy as np
 
 from ..commit.names import validate_path
-from ..drivers import Driver
-from ..drivers import split_url as split_protocol
 from ..errors import CorruptionError, InvalidArgumentError
 from . import msgpack_io as mp
 from .dtypes import parse_dtype
@@ -72,55 +69,6 @@ def aligned_empty(shape: tuple[int, ...] | list[int], dtype: np.dtype) -> np.nda
     raw = np.empty(n + ALIGN, np.uint8)
     off = -raw.ctypes.data % ALIGN
     return raw[off : off + n].view(dtype).reshape(shape)
-
-
-def split_url(url_or_path: str | os.PathLike[str]) -> tuple[str, str]:
-    """(store root, checkpoint name) of ``<root>/<name>``."""
-    s = os.fspath(url_or_path) if isinstance(url_or_path, os.PathLike) else url_or_path
-    if not isinstance(s, str) or not s.strip():
-        raise InvalidArgumentError("expected a checkpoint path or URL '<store>/<name>'")
-    s = s.rstrip("/")
-    root, _, name = s.rpartition("/")
-    if not root or not name or root.endswith(":/"):
-        raise InvalidArgumentError(f"{s!r} does not name a checkpoint inside a store ('<store>/<name>')")
-    return root, name
-
-
-def checkpoint_name(url_or_path: str | os.PathLike[str], store_url: str, driver: Driver) -> str:
-    """The name in the store (root ``store_url``, ``driver``) of the checkpoint
-    ``url_or_path`` names: a bare name, or ``<store root>/<name>`` with the store's root in
-    any spelling (a relative or symlinked local path, ``file://``); anything else is
-    :class:`~atomicstore.InvalidArgumentError`, never a checkpoint of the store that
-    happens to have the same name."""
-    s = os.fspath(url_or_path) if isinstance(url_or_path, os.PathLike) else url_or_path
-    if isinstance(s, str) and s.strip() and "/" not in s.rstrip("/"):
-        return s.rstrip("/")  # a bare name (checked by the store like any name)
-    root, name = split_url(s)
-    if not same_root(driver, root):
-        raise InvalidArgumentError(
-            f"{s!r} is not in the store {store_url} passed as store= (it names a checkpoint under {root}): "
-            "pass the checkpoint's name, a URL under the store's root, or no store")
-    return name
-
-
-def same_root(driver: Driver, root: str) -> bool:
-    """Does ``root`` (a path or URL) name the root of the store ``driver`` serves?"""
-    if root.rstrip("/") == driver.url.rstrip("/"):
-        return True
-    try:
-        protocol, path = split_protocol(root)
-        mine, _ = split_protocol(driver.url)
-    except InvalidArgumentError:
-        return False
-    if protocol != mine and not {protocol, mine} <= set(type(driver).protocols):
-        return False
-    if mine == "file":  # the local driver's root is an absolute path
-        p = os.path.abspath(os.path.expanduser(path))
-        return p == driver.root or os.path.realpath(p) == os.path.realpath(driver.root)
-    try:  # as the driver normalised its own root (see Driver.from_url)
-        return bool(driver.fs._strip_protocol(f"{protocol}://{path}").rstrip("/") == driver.root)
-    except Exception:  # noqa: BLE001 - a driver without an fsspec filesystem: not the same spelling
-        return False
 
 
 # -- sharded arrays --------------------------------------------------------------------------
@@ -543,7 +491,6 @@ class _MsgpackIndexer:
 
 __all__ = [
     "EXT_COMPLEX", "EXT_NDARRAY", "EXT_NPSCALAR", "FLAX_MAX_CHUNK", "INDEX_FILE", "INDEX_FORMAT",
-    "SHARDED_PH", "SHARD_BLOCK", "STATE_FILE", "Index", "Leaf", "LeafKind", "Shard", "aligned_empty", "bytes_view", "check_shards",
-    "checkpoint_name", "dimension", "same_root",
-    "index_of_msgpack", "parse_index", "parse_shards", "shard_file", "split_url",
+    "SHARDED_PH", "SHARD_BLOCK", "STATE_FILE", "Index", "Leaf", "LeafKind", "Shard", "aligned_empty", "bytes_view",
+    "check_shards", "dimension", "index_of_msgpack", "parse_index", "parse_shards", "shard_file",
 ]

@@ -23,7 +23,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..commit import Manifest, Store, open_store
+from ..commit import Manifest, Store
+from ..commit.locator import locate
 from ..commit.manifest import crc32c, crc32c_slices
 from ..commit.store import Checkpoint
 from ..drivers import FileInfo
@@ -48,10 +49,8 @@ from .format import (
     LeafKind,
     aligned_empty,
     bytes_view,
-    checkpoint_name,
     index_of_msgpack,
     parse_index,
-    split_url,
 )
 from .sharded import ShardReader, restore_array, run_jobs
 from .tree import Path, device_put_owned, is_jax_array, path_str, per_leaf_fn, rebuild
@@ -269,11 +268,6 @@ def _restore_whole(ckpt: Checkpoint, raw_index: bytes, state_size: int) -> Any:
         return _NO_FAST_PATH
 
 
-def _store_and_name(url_or_path: Any, store: Store | None, storage_options: dict[str, Any]) -> tuple[Store, str]:
-    if store is not None:
-        return store, checkpoint_name(url_or_path, store.url, store.driver)
-    root, name = split_url(url_or_path)
-    return open_store(root, **storage_options), name
 
 
 def _open_here(st: Store, name: str) -> tuple[Checkpoint | None, FileInfo | None]:
@@ -377,7 +371,8 @@ def restore(
             the other processes read.
         timeout: multi-host only: seconds to wait for the other processes (after this
             process's own reading).
-        **storage_options: passed to :func:`open_store`.
+        **storage_options: passed to :func:`open_store` (a store is opened once per process
+            for its root and options, then reused).
 
     Raises :class:`~atomicstore.CorruptionError` naming the file and leaf for damaged data,
     :class:`~atomicstore.PreconditionFailedError` when the checkpoint was replaced or
@@ -427,7 +422,7 @@ def _restore(url_or_path: Any, target: Any, *, subtree: Selector, allow_missing:
         raise InvalidArgumentError("allow_missing must be a bool")
     post = per_leaf_fn(shard_fns, "shard_fns")
     root = _select(subtree) or ()
-    st, name = _store_and_name(url_or_path, store, storage_options)
+    st, name = locate(url_or_path, store=store, **storage_options)
     if session is not None and not session.main:
         ckpt, found = _open_as(st, name, session.await_plan())  # the save process 0 opened
     else:

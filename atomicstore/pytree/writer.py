@@ -21,7 +21,8 @@ import google_crc32c
 import msgpack
 import numpy as np
 
-from ..commit import Manifest, Store, Transaction, open_store
+from ..commit import Manifest, Store, Transaction
+from ..commit.locator import checkpoint_name, split_location, store_at
 from ..commit.manifest import crc32c, crc32c_combine
 from ..errors import InvalidArgumentError
 from . import msgpack_io as mp
@@ -40,9 +41,7 @@ from .format import (
     LeafKind,
     Shard,
     bytes_view,
-    checkpoint_name,
     shard_file,
-    split_url,
 )
 from .sharded import LocalShard, ShardedLeaf, local_shards, split_tree
 from .tree import Path, children, is_jax_array, path_str, per_leaf_fn, snapshot_tree, walk_leaves
@@ -584,16 +583,17 @@ def save(
             callable receiving the bytes written so far.
         store: an already opened :class:`Store` to save into.
         timeout: multi-host only: seconds to wait for the other processes.
-        **storage_options: passed to :func:`open_store`.
+        **storage_options: passed to :func:`open_store` (a store is opened once per process
+            for its root and options, then reused).
     """
     session = Session.begin(f"save of {url_or_path}", check_timeout(timeout))
     try:
         if store is not None:
-            name = checkpoint_name(url_or_path, store.url, store.driver)
+            name = checkpoint_name(url_or_path, store)
         else:
-            root, name = split_url(url_or_path)
+            root, name = split_location(url_or_path)
         job = PreparedSave(tree, cast_dtype=cast_dtype, gather_fns=gather_fns, progress=progress, session=session)
-        st = store if store is not None else open_store(root, **storage_options)
+        st = store if store is not None else store_at(root, **storage_options)
     except BaseException as exc:
         if session is not None:
             session.fail(exc)

@@ -328,3 +328,177 @@ def test_fjformer_save_of_a_too_deep_or_cyclic_tree_is_refused(tmp_path):
         with pytest.raises(atomicstore.InvalidArgumentError, match="levels deep.*cyclic"):
             fj.save_state_to_file(tree, str(tmp_path / "fj.msgpack"))
     assert not (tmp_path / "fj.msgpack").exists()
+
+
+# -- one locator: every entry point turns a URL into a store the same way (issue 24, item 5) -----
+def _opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The roots the locator opens a store for from now on (its cache emptied first)."""
+    from atomicstore.commit import locator
+
+    opened: list[str] = []
+    real = locator.open_store
+
+    def counting(root: Any, **options: Any) -> atomicstore.Store:
+        opened.append(str(root))
+        return real(root, **options)
+
+    locator.forget_stores()
+    monkeypatch.setattr(locator, "open_store", counting)
+    return opened
+
+
+def test_every_entry_point_shares_one_store_per_root_and_options(tmp_path, monkeypatch):
+    """flax, fjformer, the top-level save/restore and the CLI ask the same cache: one
+    root with one option set is opened once in the process, whoever asks first."""
+    from atomicstore.cli import main
+    from atomicstore.commit.locator import locate, store_at
+
+    opened = _opens(monkeypatch)
+    root = str(tmp_path / "run")
+    ck.save_checkpoint(root, state(1.0), 1)
+    fj.save_state_to_file(state(2.0), f"{root}/s.fjf")
+    atomicstore.save(f"{root}/native_1", {"w": np.ones(3)})
+    assert np.array_equal(atomicstore.restore(f"{root}/native_1")["w"], np.ones(3))
+    assert same(fj.load_checkpoint(f"{root}/s.fjf"), state(2.0))
+    assert main(["ls", root]) == 0
+    assert opened == [root]
+    st, name = locate(f"{root}/native_1")
+    assert (st, name) == (store_at(root), "native_1") and st is store_at(f"file://{root}")
+
+
+def test_two_option_sets_or_two_protocols_never_share_a_store(tmp_path, monkeypatch):
+    from atomicstore.commit.locator import forget_stores, store_at
+
+    opened = _opens(monkeypatch)
+    root = str(tmp_path / "s")
+    a = store_at(root)
+    assert store_at(root) is a
+    assert store_at(root, lease_ttl=30) is not a  # another option set
+    assert store_at(root, lease_ttl=30) is store_at(root, lease_ttl=30) is not store_at(root, lease_ttl=31)
+    assert store_at(f"local://{root}") is not a  # another protocol, the same driver class
+    clocks = [lambda: 1e9, lambda: 1e9]
+    assert store_at(root, clock=clocks[0]) is not store_at(root, clock=clocks[1])  # by identity
+    assert store_at(root, clock=clocks[0]) is store_at(root, clock=clocks[0])
+    assert store_at("memory://loc/a", skip_instance_cache=True) is not store_at("memory://loc/a")
+    assert len(opened) == 8
+    forget_stores(root)  # every store of that root, whatever its options; the others stay
+    assert store_at(root) is not a and store_at(f"local://{root}") is store_at(f"local://{root}")
+    assert store_at("memory://loc/a/") is store_at("memory://loc/a")
+    assert len(opened) == 9
+
+
+def test_concurrent_lookups_open_one_store(tmp_path, monkeypatch):
+    from atomicstore.commit.locator import store_at
+
+    opened = _opens(monkeypatch)
+    root = str(tmp_path / "s")
+    got: list[atomicstore.Store] = []
+    start = threading.Barrier(8)
+
+    def ask() -> None:
+        start.wait()
+        got.append(store_at(root))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and all(s is got[0] for s in got) and opened == [root]
+
+
+def _child_stores(root: str, parent_id: int, q: Any) -> None:
+    try:
+        from atomicstore.commit.locator import store_at
+
+        st = store_at(root)
+        q.put(("ok", id(st) != parent_id and st is store_at(root) and st.list() == ["native_1"]))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        q.put(("error", repr(exc)))
+
+
+def test_a_forked_child_opens_its_own_stores(tmp_path):
+    from atomicstore.commit.locator import store_at
+
+    root = str(tmp_path / "s")
+    atomicstore.save(f"{root}/native_1", {"w": np.ones(3)})
+    got, exitcode = in_forked_child(_child_stores, root, id(store_at(root)))
+    assert got == ("ok", True) and exitcode == 0, got
+
+
+def test_a_bad_location_is_refused_as_before(tmp_path):
+    from atomicstore.commit.locator import locate, names_checkpoint, split_location
+
+    for bad in ("", "   ", "s3://bucket", "s3://bucket/", "name", 3):
+        with pytest.raises(atomicstore.InvalidArgumentError):
+            split_location(bad)  # type: ignore[arg-type]
+        assert not names_checkpoint(bad)
+    assert split_location("s3://b/run/step_1/") == ("s3://b/run", "step_1")
+    assert split_location("step_1", absolute=True) == (os.getcwd(), "step_1")
+    with pytest.raises(atomicstore.UnknownProtocolError):
+        locate("nosuchproto://b/x")
+    with pytest.raises(atomicstore.InvalidArgumentError, match="reserved"):
+        locate(f"{tmp_path}/.atomicstore/x/y")
+
+
+def test_no_adapter_calls_a_drivers_mutating_method():
+    """compat/, the CLI and the torch integration change a store only through the commit
+    layer (Store's methods, commit.adapters): never ``<...>.driver.put(...)`` and the like,
+    directly or through a name bound to a driver."""
+    import ast
+    from pathlib import Path
+
+    mutating = {"put", "delete", "delete_tree", "rename", "exchange", "open_writer", "abort_upload",
+                "complete_upload", "start_upload", "upload_part", "makedirs", "fsync_dir"}
+    pkg = Path(atomicstore.__file__).parent
+    found = []
+    for path in [*sorted((pkg / "compat").glob("*.py")), pkg / "cli.py", pkg / "integrations" / "torch.py"]:
+        tree = ast.parse(path.read_text())
+        drivers = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                   and isinstance(node.value, ast.Attribute) and node.value.attr == "driver"
+                   for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in mutating:
+                owner = node.func.value
+                if ((isinstance(owner, ast.Attribute) and owner.attr == "driver")
+                        or (isinstance(owner, ast.Name) and owner.id in drivers)):
+                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node.func)}")
+    assert not found, found
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_the_commit_layer_deletes_a_one_file_step_and_its_arrays(kind, tmp_path):
+    from atomicstore.commit.adapters import delete_one_file_step
+
+    st = atomicstore.open_store(str(tmp_path / "s") if kind == "local" else f"memory://del-{tmp_path.name}")
+    with st.one_file("ck_1") as f:
+        f.write(b"\x80")
+    with st.transaction("ck_1_gda") as txn:
+        txn.write_bytes("arrays.json", b"{}")
+        txn.commit()
+    with st.transaction("ck_2") as txn:  # a native checkpoint named like a step: never deleted as one
+        txn.write_bytes("x", b"1")
+        txn.commit()
+    assert st.list() == ["ck_1_gda", "ck_2"]
+    assert delete_one_file_step(st, "ck_1", "ck_1_gda")
+    assert delete_one_file_step(st, "ck_2")
+    assert st.list() == ["ck_2"] and not st.driver.exists("ck_1") and not st.driver.listdir("ck_1_gda")
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_a_file_is_written_into_another_process_attempt_only_through_its_prefix(kind, tmp_path):
+    from atomicstore.commit.adapters import open_attempt_file
+    from atomicstore.commit.manifest import crc32c
+
+    st = atomicstore.open_store(str(tmp_path / "s") if kind == "local" else f"memory://att-{tmp_path.name}")
+    txn = st.transaction("step_1")
+    w = open_attempt_file(st, txn.prefix, "__0_0.distcp")
+    w.write(b"rank 0")
+    w.close()
+    txn.adopt("__0_0.distcp", 6, crc32c(b"rank 0"))
+    txn.commit()
+    assert st.read_bytes("step_1", "__0_0.distcp") == b"rank 0"
+    for prefix, path in (("step_1", "x"), ("step_1/manifest.json", "x"), (txn.prefix + "/..", "x"), (txn.prefix, "../x"),
+                         ("", "x")):
+        with pytest.raises(atomicstore.InvalidArgumentError):
+            open_attempt_file(st, prefix, path)

@@ -48,6 +48,7 @@ import pytest
 from conftest import FAST_RETRY, SERVERS, note_server
 
 import atomicstore
+from atomicstore.commit.locator import forget_stores
 from atomicstore.commit.manifest import crc32c
 from atomicstore.compat import flax as compat_flax
 from atomicstore.pytree import Session
@@ -618,8 +619,7 @@ def _mp_restore(world: sched.World, backend: sched.ModelBackend) -> tuple[Any, E
         return None, exc
     finally:
         del _FinalStoreDriver.by_token[token]
-        for key in [k for k in compat_flax._stores if k[0] == url]:
-            del compat_flax._stores[key]
+        forget_stores(url)
 
 
 def _mp_judge_restore(
