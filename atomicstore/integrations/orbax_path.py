@@ -23,8 +23,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from ..commit import Manifest, Store, inplace, open_store, steps
+from ..commit import Manifest, Store, inplace, steps
 from ..commit.inplace import AttemptState, Judgement
+from ..commit.locator import store_at
 from ..commit.names import MARKER_FILE, validate_name
 from ..commit.recovery import RecoveryReport
 from ..commit.steps import FoundStep, StepCommit
@@ -127,8 +128,6 @@ COMMIT_SUCCESS_FILE: str = _ocp_atomicity_types.COMMIT_SUCCESS_FILE
 if COMMIT_SUCCESS_FILE != MARKER_FILE:  # pragma: no cover - the same in every supported release
     raise OrbaxVersionError(f"Orbax's marker is {COMMIT_SUCCESS_FILE!r}, atomicstore's {MARKER_FILE!r}")
 
-_STORES: dict[tuple[type, str], Store] = {}
-_STORES_LOCK = threading.Lock()
 #: the step attempts of this process by temporary path, oldest first (on object stores the
 #: temporary path is the step itself, so one path can have several): their children are
 #: items. An attempt leaves when it is finalized or aborted, or when Orbax drops it.
@@ -144,10 +143,8 @@ def _after_fork_in_child() -> None:
     """A forked child starts with fresh locks (another thread of the parent may have held
     one at the fork), its own stores (opened again on first use) and none of its parent's
     attempts (an item made here never joins the parent's save)."""
-    global _STORES_LOCK, _LIVE_LOCK
-    _STORES_LOCK = threading.Lock()
+    global _LIVE_LOCK
     _LIVE_LOCK = threading.Lock()
-    _STORES.clear()
     _LIVE.clear()
     _THREAD.step = None
 
@@ -205,15 +202,10 @@ class AtomicTemporaryPath(_TemporaryPath):  # type: ignore[misc]  # orbax is unt
 
     @classmethod
     def open_store(cls, directory: Any) -> Store:
-        """The atomicstore :class:`~atomicstore.Store` of an Orbax root directory (cached
-        per class and directory), e.g. to ``recover`` it."""
-        root = _root_string(directory)
-        with _STORES_LOCK:
-            store = _STORES.get((cls, root))
-            if store is None:
-                store = open_store(root, **dict(cls.options))
-                _STORES[(cls, root)] = store
-            return store
+        """The atomicstore :class:`~atomicstore.Store` of an Orbax root directory, e.g. to
+        ``recover`` it: the commit layer's one store cache (per root and options; a forked
+        child opens its own), shared with every other entry point of this process."""
+        return store_at(_root_string(directory), **dict(cls.options))
 
     # -- construction (no storage I/O beyond opening the store) -----------------------------
     def __init__(self, *, final: Any, tmp: Any, root: str | None, name: str | None,
