@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from atomicstore.commit import conformance
-from atomicstore.drivers.base import Capabilities, Driver, Entry, FileInfo, Writer
 from atomicstore.drivers.local import LocalDriver
+from atomicstore.drivers.spec import Capabilities, Driver, Entry, FileInfo, Writer
 from atomicstore.errors import AlreadyExistsError, NotFoundError
 
 

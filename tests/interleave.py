@@ -127,7 +127,7 @@ from crashsim import SimulatedCrash
 import atomicstore
 import atomicstore.errors as _errors
 from atomicstore.commit import conformance
-from atomicstore.drivers.base import Capabilities, Driver, Entry, FileInfo, Writer
+from atomicstore.drivers.spec import Capabilities, Driver, Entry, FileInfo, Writer
 from atomicstore.errors import AlreadyExistsError, NotFoundError, StorageError
 
 # -- pre-issue-11 compatibility: lets the harness run against the last commit too --------

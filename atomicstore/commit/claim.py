@@ -36,7 +36,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..drivers.base import Driver, FileInfo
+from ..drivers.spec import Driver, FileInfo
 from ..errors import (
     AlreadyExistsError,
     CorruptionError,

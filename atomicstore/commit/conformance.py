@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..drivers.base import Driver, Writer, http_status_of
+from ..drivers.classify import http_status_of
+from ..drivers.spec import Driver, Writer
 from ..errors import AlreadyExistsError, ConformanceError, NotFoundError, StorageError
 from .names import RESERVED_DIR
 

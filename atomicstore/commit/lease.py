@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..drivers.base import Driver
+from ..drivers.spec import Driver
 from ..errors import CorruptionError, LeaseLostError, NotFoundError, PreconditionFailedError
 from . import conformance
 from .names import RESERVED_DIR

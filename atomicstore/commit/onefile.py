@@ -36,7 +36,7 @@ import posixpath
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from ..drivers.base import BufferedPartWriter
+from ..drivers.parts import BufferedPartWriter
 from ..errors import (
     AlreadyExistsError,
     CommitConflictError,

@@ -44,7 +44,7 @@ from .names import ATTEMPT_ID, MANIFEST_FILE, MARKER_FILE, RESERVED_DIR, validat
 from .strategies import ATTEMPT_PREFIX, STAGING, TRASH, MarkerStrategy, RenameStrategy
 
 if TYPE_CHECKING:
-    from ..drivers.base import FileInfo
+    from ..drivers.spec import FileInfo
     from .store import Store
 
 log = logging.getLogger("atomicstore.recovery")

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..drivers import get_driver
-from ..drivers.base import Driver
+from ..drivers.spec import Driver
 from ..errors import (
     AlreadyExistsError,
     ChecksumMismatchError,

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from ..drivers.base import Driver
+from ..drivers.spec import Driver
 from ..errors import (
     AlreadyExistsError,
     CommitConflictError,
@@ -228,7 +228,7 @@ class RenameStrategy(CommitStrategy):
                 raise self._not_a_checkpoint(name)
             if not overwrite:
                 raise self._conflict(name)
-            if not self.driver.replaces_directories:
+            if not self.driver.capabilities.replaces_directories:
                 raise StorageError(
                     f"cannot replace {self.driver.describe(name)} atomically: this filesystem "
                     "lacks renameat2(RENAME_EXCHANGE) (NFS, FUSE); delete the checkpoint, then save it"
@@ -345,7 +345,7 @@ class RenameStrategy(CommitStrategy):
         empty directory atomically (False: nothing left to remove); a filesystem with
         NOREPLACE but not EXCHANGE is refused."""
         d = self.driver
-        if d.replaces_directories:
+        if d.capabilities.replaces_directories:
             d.exchange(staging, name)  # the commit point
             return True
         try:

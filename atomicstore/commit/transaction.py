@@ -12,7 +12,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ..drivers.base import Writer
+from ..drivers.spec import Writer
 from ..errors import AlreadyExistsError, InvalidArgumentError, TransactionError
 from .claim import NameClaim, claims_needed
 from .lease import Lease

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, UnknownProtocolError
 from ..retry import RetryPolicy
-from .base import (
+from .spec import (
     DEFAULT_OPERATION_TIMEOUT,
     Capabilities,
     Driver,

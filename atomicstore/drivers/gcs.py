@@ -38,14 +38,9 @@ from ..errors import (
     PreconditionFailedError,
     StorageError,
 )
-from .base import (
-    AsyncFsspecDriver,
-    BufferedPartWriter,
-    Capabilities,
-    FileInfo,
-    PartBody,
-    Writer,
-)
+from .asyncfs import AsyncFsspecDriver
+from .parts import BufferedPartWriter, PartBody
+from .spec import Capabilities, FileInfo, Writer
 
 CHUNK_MULTIPLE = 256 * 2**10
 log = logging.getLogger("atomicstore.drivers")
@@ -149,15 +144,13 @@ class _GCSWriter(BufferedPartWriter):
 class GCSDriver(AsyncFsspecDriver):
     """GCS via gcsfs. Commit strategy: conditional success marker."""
 
-    native_generation_reads = True  # ranged GETs take If-Match / ifGenerationMatch
-
     protocols = ("gs", "gcs")
     capabilities = Capabilities(
         atomic_rename=False,
         atomic_create=True,
         durable_fsync=False,
         directories=False,
-        native_crc32c=True,
+        native_generation_reads=True,  # ranged GETs take ifGenerationMatch
         multipart_uploads=True,  # components of parallel composite uploads
         # GCS evaluates ifGenerationMatch atomically with the write that completes an
         # object (documented: "Request preconditions"); the conformance check verifies it

@@ -11,7 +11,7 @@ import warnings
 from typing import Any
 
 from ..errors import AlreadyExistsError
-from .base import Capabilities, Driver, Entry, FileInfo, Writer
+from .spec import Capabilities, Driver, Entry, FileInfo, Writer
 
 _warned: set[str] = set()
 

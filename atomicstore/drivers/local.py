@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import errno
 import fcntl
 import os
@@ -20,6 +19,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import IO, Any, TypeVar
 
 from ..errors import (
@@ -30,101 +30,32 @@ from ..errors import (
     StorageError,
     StorageTimeoutError,
 )
-from .base import Capabilities, Driver, Entry, FileInfo, Writer, background_pool
+from .pools import background_pool
+from .renameat2 import (
+    PROBE_DIR,
+    is_probe_name,
+    probe_in_background,
+    rename_exchange,
+    rename_noreplace,
+)
+from .spec import Capabilities, Driver, Entry, FileInfo, RenameFlags, Writer
 
 _T = TypeVar("_T")
 
 #: the store's lock file (kept: recovery never removes it; see :meth:`LocalDriver.lock`)
 LOCK_KEY = ".atomicstore/lock"
 
-_AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
-
-
-def _load_renameat2() -> Any:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_renameat2 = _load_renameat2()
-
-
-_RENAME_EXCHANGE = 2
-
-
-def _renameat2_call(a: str, b: str, flags: int) -> int:
-    """0, or the errno of ``renameat2(a, b, flags)`` (ENOSYS if libc lacks it)."""
-    if _renameat2 is None:
-        return errno.ENOSYS
-    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
-        return 0
-    return ctypes.get_errno()
-
-
-#: per filesystem (``st_dev``) and process: the probe's answer, found in the background
-#: (a probe that could not run, e.g. on a read-only store or a full disk, is not kept)
-_PROBED: dict[int, concurrent.futures.Future[tuple[bool, bool]]] = {}
-#: where the probe makes its directories (recovery removes those a killed probe left)
-PROBE_DIR = ".atomicstore"
-PROBE_PREFIX = ".probe-"
-_PROBE_NAME = re.compile(r"\.probe-\d+-[0-9a-f]{8}[abc]")
-_PROBE_LOCK = threading.Lock()
-
-
-def _probe_in_background(root: str) -> concurrent.futures.Future[tuple[bool, bool]]:
-    """:func:`probe_renameat2` of ``root``'s filesystem, once per filesystem and process,
-    run in a thread: its mkdir/rename/rmdir round trips overlap the first save's data
-    (nothing is renamed before the answer is in). Where it cannot run (a read-only store,
-    no space or inodes left) the future holds a :class:`StorageError` and is forgotten,
-    so the next call probes again."""
-    try:
-        dev = os.stat(root).st_dev
-    except OSError:
-        dev = None
-    with _PROBE_LOCK:
-        fut = _PROBED.get(dev) if dev is not None else None
-        if fut is not None:
-            return fut
-        fut = concurrent.futures.Future()
-        if dev is not None:
-            _PROBED[dev] = fut
-
-    def run() -> None:
-        try:
-            fut.set_result(probe_renameat2(root))
-        except OSError as exc:
-            with _PROBE_LOCK:  # not an answer for the filesystem: the next call asks again
-                if dev is not None and _PROBED.get(dev) is fut:
-                    del _PROBED[dev]
-            fut.set_exception(StorageError(f"cannot probe {root} for renameat2 flags (needed to "
-                                           f"rename): {exc.strerror or exc}"))
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for it
-            fut.set_exception(exc)
-
-    threading.Thread(target=run, name="atomicstore-renameat2-probe", daemon=True).start()
-    return fut
-
-
 #: descriptors this process holds the store lock (``flock``) through
 _LOCK_FDS: set[int] = set()
 _LOCK_FDS_GUARD = threading.Lock()
 
 
-def _forget_pending_probes() -> None:
-    """In a forked child: a probe still running in the parent never finishes here; and
-    the child's copies of the descriptors the parent holds store locks through are closed
-    (an ``flock`` belongs to the open file, so a copy would keep the parent's lock held
-    after the parent released it, for as long as the child lives)."""
+def _close_inherited_lock_fds() -> None:
+    """In a forked child: the child's copies of the descriptors the parent holds store
+    locks through are closed (an ``flock`` belongs to the open file, so a copy would keep
+    the parent's lock held after the parent released it, for as long as the child
+    lives)."""
     global _LOCK_FDS_GUARD
-    for dev, fut in list(_PROBED.items()):
-        if not fut.done():
-            del _PROBED[dev]
     for fd in _LOCK_FDS:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -132,64 +63,9 @@ def _forget_pending_probes() -> None:
     _LOCK_FDS_GUARD = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_pending_probes)
+os.register_at_fork(after_in_child=_close_inherited_lock_fds)
 
 
-def probe_renameat2(directory: str) -> tuple[bool, bool]:
-    """Which ``renameat2`` flags the filesystem of ``directory`` honours:
-    ``(RENAME_NOREPLACE, RENAME_EXCHANGE)``. NFS and many FUSE mounts answer EINVAL.
-    Its directories are made in ``<directory>/.atomicstore/`` (the same filesystem as
-    the checkpoints, out of the user's listing); a process killed in between leaves
-    them, and recovery removes them."""
-    home = os.path.join(directory, PROBE_DIR)
-    os.makedirs(home, exist_ok=True)
-    base = os.path.join(home, f"{PROBE_PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
-    a, b, c = base + "a", base + "b", base + "c"
-    os.mkdir(a)
-    try:
-        os.mkdir(b)
-        try:
-            # onto a name that does not exist: the VFS answers EEXIST for an existing target
-            # before the filesystem is asked, so only this shows whether it has the flag
-            noreplace = _renameat2_call(a, c, _RENAME_NOREPLACE) == 0
-            if noreplace:
-                os.rename(c, a)
-            exchange = _renameat2_call(a, b, _RENAME_EXCHANGE) == 0
-        finally:
-            os.rmdir(b)
-    finally:
-        os.rmdir(a)
-    return noreplace, exchange
-
-
-def _raise_errno(err: int, a: str, b: str) -> None:
-    raise OSError(err, os.strerror(err), a, b)
-
-
-def rename_exchange(a: str, b: str) -> None:
-    """Swap ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``)."""
-    err = _renameat2_call(a, b, _RENAME_EXCHANGE)
-    if err:
-        _raise_errno(err, a, b)
-
-
-def rename_noreplace(src: str, dst: str, *, native: bool = True) -> None:
-    """``rename(src, dst)`` that fails with ``FileExistsError`` if ``dst`` exists, in one
-    atomic step: ``renameat2(RENAME_NOREPLACE)`` where the filesystem has it; otherwise
-    ``link(2)`` + unlink for a file (link never replaces), and ``rename(2)`` for a
-    directory (which fails on a non-empty target; a committed checkpoint is never
-    empty)."""
-    if native:
-        err = _renameat2_call(src, dst, _RENAME_NOREPLACE)
-        if err == 0:
-            return
-        if err not in (errno.ENOSYS, errno.EINVAL):  # EINVAL: filesystem lacks the flag
-            _raise_errno(err, src, dst)
-    if os.path.isdir(src):
-        os.rename(src, dst)
-    else:
-        os.link(src, dst)
-        os.unlink(src)
 
 
 def _ignore_vanished(func: Any, path: str, exc_info: Any) -> None:
@@ -304,6 +180,7 @@ class LocalDriver(Driver):
     """
 
     protocols = ("file", "local")
+    #: (``rename_flags``: what renameat2 gives; each driver finds its filesystem's own)
     capabilities = Capabilities(
         atomic_rename=True, atomic_create=True, durable_fsync=True, directories=True, pinned_reads=True
     )
@@ -311,47 +188,34 @@ class LocalDriver(Driver):
     def __init__(self, fs: Any, root: str, **kwargs: Any) -> None:
         super().__init__(fs, root, **kwargs)
         self._lock_depth = threading.local()
-        self._flags: tuple[bool, bool] | None = None
+        self._flags: RenameFlags | None = None
         #: the background probe, started by the first write (a reader never probes)
-        self._probe: concurrent.futures.Future[tuple[bool, bool]] | None = None
+        self._probe: concurrent.futures.Future[RenameFlags] | None = None
         if os.environ.get("ATOMICSTORE_LOCAL_RENAMEAT2", "").lower() == "none":
-            self._flags = (False, False)
+            self._flags = RenameFlags(noreplace=False, exchange=False)
         self._probe_pid = os.getpid()
+        # the filesystem's rename flags, found by the probe when a rename first needs them
+        self.capabilities = replace(self.capabilities, rename_flags=self._flags or self._renameat2_flags)
 
     def _start_probe(self) -> None:
         """Start the probe in the background, once: called by the first write, so its
         answer is in by the time that save renames."""
         if self._flags is None and self._probe is None:
-            self._probe, self._probe_pid = _probe_in_background(self.root), os.getpid()
+            self._probe, self._probe_pid = probe_in_background(self.root), os.getpid()
 
-    def _renameat2_flags(self) -> tuple[bool, bool]:
+    def _renameat2_flags(self) -> RenameFlags:
         if self._flags is None:
             self._start_probe()
             assert self._probe is not None
             if not self._probe.done() and os.getpid() != self._probe_pid:
                 # forked while the parent's probe ran: its thread does not exist here
-                self._probe, self._probe_pid = _probe_in_background(self.root), os.getpid()
+                self._probe, self._probe_pid = probe_in_background(self.root), os.getpid()
             try:
                 self._flags = self._probe.result()
             except StorageError:  # it could not run in the background: once more, now
-                self._probe = _probe_in_background(self.root)
+                self._probe = probe_in_background(self.root)
                 self._flags = self._probe.result()  # (still failing: the StorageError says why)
         return self._flags
-
-    @property
-    def has_noreplace(self) -> bool:
-        """Whether the filesystem honours ``renameat2(RENAME_NOREPLACE)``."""
-        return self._renameat2_flags()[0]
-
-    @property
-    def has_exchange(self) -> bool:
-        """Whether the filesystem honours ``renameat2(RENAME_EXCHANGE)``."""
-        return self._renameat2_flags()[1]
-
-    @property
-    def replaces_directories(self) -> bool:  # type: ignore[override]
-        """Whether a whole directory can replace another atomically (RENAME_EXCHANGE)."""
-        return self.has_exchange
 
     @classmethod
     def from_url(
@@ -605,7 +469,7 @@ class LocalDriver(Driver):
             except OSError:
                 continue
             for e in entries:
-                if _PROBE_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
+                if is_probe_name(e.name) and e.is_dir(follow_symlinks=False):
                     with contextlib.suppress(OSError):
                         if e.stat(follow_symlinks=False).st_mtime + older_than < now:
                             out.append(f"{where}/{e.name}".lstrip("/"))
@@ -619,11 +483,12 @@ class LocalDriver(Driver):
             self.delete(prefix)
 
     def rename(self, src: str, dst: str) -> None:
-        self._os("rename", dst, lambda a, b: rename_noreplace(a, b, native=self.has_noreplace),
+        self._os("rename", dst,
+                 lambda a, b: rename_noreplace(a, b, native=self.capabilities.renames().noreplace),
                  self.path(src), self.path(dst))
 
     def exchange(self, a: str, b: str) -> None:
-        if self.has_exchange:
+        if self.capabilities.renames().exchange:
             return self._os("exchange", b, rename_exchange, self.path(a), self.path(b))
         if os.path.isdir(self.path(a)):
             raise StorageError(

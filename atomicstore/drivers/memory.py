@@ -14,7 +14,8 @@ import threading
 from typing import Any
 
 from ..errors import AlreadyExistsError, NotFoundError, PreconditionFailedError
-from .base import Capabilities, Driver, Entry, FileInfo, Writer, held
+from .pools import held
+from .spec import Capabilities, Driver, Entry, FileInfo, Writer
 
 _LOCK = threading.RLock()
 

@@ -35,17 +35,10 @@ from ..errors import (
     PreconditionFailedError,
     StorageError,
 )
-from .base import (
-    AsyncFsspecDriver,
-    BufferedPartWriter,
-    Capabilities,
-    Entry,
-    FileInfo,
-    PartBody,
-    Writer,
-    error_code_of,
-    http_status_of,
-)
+from .asyncfs import AsyncFsspecDriver
+from .classify import error_code_of, http_status_of
+from .parts import BufferedPartWriter, PartBody
+from .spec import Capabilities, Entry, FileInfo, Writer
 
 log = logging.getLogger("atomicstore.drivers")
 
@@ -206,14 +199,13 @@ class _S3Writer(BufferedPartWriter):
 class S3Driver(AsyncFsspecDriver):
     """S3 via s3fs. Commit strategy: conditional success marker."""
 
-    native_generation_reads = True  # ranged GETs take If-Match / ifGenerationMatch
-
     protocols = ("s3", "s3a")
     capabilities = Capabilities(
         atomic_rename=False,
         atomic_create=True,
         durable_fsync=False,
         directories=False,
+        native_generation_reads=True,  # ranged GETs take If-Match
         multipart_uploads=True,
         # AWS documents conditional CompleteMultipartUpload as atomic, but S3-compatible
         # stores differ (SeaweedFS 4.48: of racing conditional completions several succeed),

@@ -43,7 +43,6 @@ dies leaves it to recovery (``store.recover()``) once its lease has expired.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import io
 import json
@@ -51,7 +50,7 @@ import os
 import pickle
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any, TypeVar, cast
 
 import torch
@@ -76,6 +75,7 @@ from ..commit.adapters import open_attempt_file
 from ..commit.locator import names_checkpoint, split_location, store_at
 from ..commit.manifest import crc32c, crc32c_combine
 from ..drivers import Writer
+from ..drivers.parts import InflightBudget
 from ..errors import (
     AtomicStoreError,
     ChecksumMismatchError,
@@ -373,27 +373,6 @@ class _ItemFile(io.RawIOBase):
         if at < t:
             crc = crc32c_combine(crc, self._read_crc(at, t), t - at)
         return crc32c_combine(crc, crc32c(self.tail), len(self.tail))
-
-
-class _Budget:
-    """At most ``limit`` bytes held at once (one holder may exceed it alone)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.used = limit, 0
-        self.cond = threading.Condition()
-
-    @contextlib.contextmanager
-    def hold(self, n: int) -> Iterator[None]:
-        n = min(max(n, 0), self.limit)
-        with self.cond:
-            self.cond.wait_for(lambda: self.used + n <= self.limit)
-            self.used += n
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.used -= n
-                self.cond.notify_all()
 
 
 def _abort(holder: list[Transaction | None]) -> None:
@@ -955,7 +934,9 @@ class AtomicStorageReader(_Located, StorageReader):
 
         reqs = sorted(plan.items, key=where)
         lock = threading.Lock()  # the planner is not thread-safe: only its calls are serialised
-        budget = _Budget(self.max_inflight_bytes)
+        # a budget of its own (the store's would starve: an item holding it all waits for
+        # its own ranged reads, which draw from the store's budget too)
+        budget = InflightBudget(self.max_inflight_bytes)
 
         def one(req: ReadItem) -> None:
             info = self.storage_data.get(req.storage_index)

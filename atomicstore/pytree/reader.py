@@ -430,7 +430,7 @@ def _restore(url_or_path: Any, target: Any, *, subtree: Selector, allow_missing:
         if session is not None:
             session.publish_plan(_choice(ckpt, found))
     if threads is None:
-        threads = st.driver.io_threads
+        threads = st.driver.capabilities.io_threads
     try:
         return _read(st, name, ckpt, found, target, root, allow_missing, post, threads), (
             ckpt.manifest if ckpt is not None else None)

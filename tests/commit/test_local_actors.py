@@ -126,7 +126,8 @@ def test_a_probe_that_could_not_run_is_asked_again(tmp_path):
     fresh process: the probe's answer is kept per filesystem and process."""
     out = run_script(f"""
         import concurrent.futures, os, atomicstore
-        from atomicstore.drivers.local import LocalDriver, probe_renameat2
+        from atomicstore.drivers.local import LocalDriver
+        from atomicstore.drivers.renameat2 import probe_renameat2
         root = {str(tmp_path / "s")!r}
         os.makedirs(root)
         open(root + "/.atomicstore", "w").close()
@@ -135,13 +136,13 @@ def test_a_probe_that_could_not_run_is_asked_again(tmp_path):
         w.abort()
         concurrent.futures.wait([d._probe], timeout=30)  # the background probe has failed
         try:
-            d.has_noreplace
+            d.capabilities.renames()
             print("answered while it could not probe")
         except atomicstore.StorageError as exc:
             print("StorageError", "probe" in str(exc))
         os.unlink(root + "/.atomicstore")
         os.makedirs({str(tmp_path / "t")!r})
-        print((d.has_noreplace, d.has_exchange) == probe_renameat2({str(tmp_path / "t")!r}))
+        print(d.capabilities.renames() == probe_renameat2({str(tmp_path / "t")!r}))
     """)
     assert out.stdout.split() == ["StorageError", "True", "True"], out.stdout + out.stderr
 

@@ -25,7 +25,13 @@ def test_strategy_follows_declared_capabilities(backend):
     assert caps.atomic_create
     assert caps.durable_fsync == (backend.kind == "local")
     assert caps.multipart_uploads == (backend.kind in ("s3", "gcs"))  # GCS: composite components
-    assert caps.native_crc32c == (backend.kind == "gcs")
+    objects = backend.kind in ("s3", "gcs")
+    assert caps.native_generation_reads == objects  # conditional ranged GETs
+    d = store.driver
+    # object stores: as many ranged reads at once as the in-flight budget holds
+    assert caps.io_threads == (max(8, d.max_inflight_bytes // d.read_chunk) if objects else 8)
+    if backend.kind == "memory":
+        assert caps.renames() == (True, True) and caps.replaces_directories
 
 
 def test_gcs_reports_native_crc32c(gcs_server):

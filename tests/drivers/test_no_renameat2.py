@@ -43,6 +43,7 @@ import atomicstore
 from atomicstore.commit.lease import LEASES
 from atomicstore.commit.strategies import STAGING, TRASH
 from atomicstore.drivers import local as local_driver
+from atomicstore.drivers import renameat2
 from atomicstore.drivers.local import LOCK_KEY
 from atomicstore.errors import CommitConflictError, LeaseLostError, StorageError
 
@@ -57,7 +58,7 @@ def _kernel_flags(directory: Path) -> tuple[bool, bool]:
     so that the VFS cannot answer for the filesystem: RENAME_NOREPLACE onto a name that
     does not exist (onto an existing one the VFS says EEXIST before the filesystem is
     asked), RENAME_EXCHANGE of two directories."""
-    call = local_driver._renameat2_call
+    call = renameat2.renameat2_call
     a, b = directory / f".kf-{secrets.token_hex(4)}a", directory / f".kf-{secrets.token_hex(4)}b"
     a.mkdir()
     try:
@@ -226,8 +227,9 @@ def test_fuse_mount_lacks_the_flags_and_the_driver_says_so(fuse_mount: Path,
     st = atomicstore.open_store(str(path / "store"))
     d = st.driver
     assert isinstance(d, local_driver.LocalDriver)
-    assert (d.has_noreplace, d.has_exchange) == (False, False), (
-        f"probe says NOREPLACE={d.has_noreplace} EXCHANGE={d.has_exchange} on a FUSE mount "
+    flags = d.capabilities.renames()
+    assert flags == (False, False), (
+        f"probe says NOREPLACE={flags.noreplace} EXCHANGE={flags.exchange} on a FUSE mount "
         "where renameat2 answers EINVAL to both")
 
 
@@ -237,13 +239,13 @@ def test_env_forces_the_fallbacks_and_native_dir_has_the_flags(tmp_path: Path,
     native = atomicstore.open_store(str(tmp_path / "native")).driver
     assert isinstance(native, local_driver.LocalDriver)
     truth = _kernel_flags(tmp_path)
-    assert (native.has_noreplace, native.has_exchange) == truth
+    assert native.capabilities.renames() == truth
     if truth != (True, True):
         pytest.skip(f"{tmp_path} lacks renameat2 flags ({truth}): nothing native to compare")
     monkeypatch.setenv(ENV, "none")
     forced = atomicstore.open_store(str(tmp_path / "forced")).driver
     assert isinstance(forced, local_driver.LocalDriver)
-    assert (forced.has_noreplace, forced.has_exchange) == (False, False)
+    assert forced.capabilities.renames() == (False, False)
 
 
 # -- (b) two one-file saves of one name ---------------------------------------------------

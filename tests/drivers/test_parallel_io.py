@@ -27,8 +27,8 @@ import pytest
 from conftest import FAST_RETRY, Backend
 
 import atomicstore
-from atomicstore.drivers.base import PartBody
 from atomicstore.drivers.gcs import COMPONENTS, MAX_COMPOSE
+from atomicstore.drivers.parts import PartBody
 from atomicstore.testing.faults import FaultPlan, is_gcs, object_key, query
 
 MiB = 2**20

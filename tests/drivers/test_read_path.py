@@ -29,7 +29,7 @@ import pytest
 from conftest import Backend, make_backend
 
 import atomicstore
-from atomicstore.drivers.base import OBJECT_BLOCK_SIZE
+from atomicstore.drivers.asyncfs import OBJECT_BLOCK_SIZE
 
 MiB = 2**20
 
@@ -183,7 +183,7 @@ def test_a_large_read_populates_its_destination_before_the_data_comes(object_bac
 def test_populating_pages_never_changes_them():
     """``populate_pages`` faults pages in without writing them: safe while another thread
     fills the same buffer."""
-    from atomicstore.drivers.base import populate_pages
+    from atomicstore.drivers.parts import populate_pages
 
     size = 8 * MiB + 123
     buf = mmap.mmap(-1, size)

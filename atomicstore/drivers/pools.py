@@ -1,0 +1,114 @@
+"""Process-wide machinery shared by the drivers: the background thread pool, the
+per-root process locks, and what a forked child must redo before it uses a driver (fsspec's
+async filesystems, thread pools and held locks do not survive a fork)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from ..errors import StorageTimeoutError
+
+
+class ForkAware(Protocol):
+    """A driver, as the fork hook sees it."""
+
+    def after_fork(self) -> None:
+        """Redo what the parent's threads and event loops held (runs in the child)."""
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_GUARD = threading.Lock()
+
+
+def background_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for :meth:`AsyncFsspecDriver.background` (each waits on one request)."""
+    global _POOL
+    with _POOL_GUARD:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="atomicstore-bg")
+        return _POOL
+
+
+def _forget_pool() -> None:
+    """In a forked child the parent's pool threads do not exist: work submitted to it
+    would never run. The child makes its own; likewise its own per-root process locks
+    (one held by a parent thread at the fork would stay held in the child forever)."""
+    global _POOL, _PROCESS_LOCKS_GUARD
+    _POOL = None
+    _PROCESS_LOCKS.clear()
+    _PROCESS_LOCKS_GUARD = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+#: every driver of this process (a forked child resets each: :meth:`Driver.after_fork`)
+_LIVE_DRIVERS: weakref.WeakSet[ForkAware] = weakref.WeakSet()
+#: in a forked child, the parent's filesystems its drivers held: kept alive and never used
+#: (their finalizers would close the parent's connections from the child)
+_INHERITED: list[Any] = []
+
+
+def track_for_fork(driver: ForkAware) -> None:
+    """In a forked child, call ``driver.after_fork()`` before anything else runs (for as
+    long as the driver lives)."""
+    _LIVE_DRIVERS.add(driver)
+
+
+def keep_inherited(obj: Any) -> None:
+    """In a forked child: keep the parent's ``obj`` (an fsspec filesystem) alive, unused
+    and unclosed for the rest of this process (:func:`_keep_unclosed`)."""
+    _INHERITED.append(obj)
+    _keep_unclosed(obj)
+
+
+def _keep_unclosed(obj: Any) -> None:
+    """Keep the finalizers of ``obj`` (s3fs and gcsfs close their sessions in one) from
+    running at this process's exit: held in :data:`_INHERITED`, it is never collected,
+    and at exit they would wait on the parent's event loop, which does not run here."""
+    for fin in list(getattr(weakref.finalize, "_registry", {})):
+        info = fin.peek()
+        if info is not None and info[0] is obj:
+            fin.atexit = False
+
+
+def _drivers_after_fork() -> None:
+    asyn = sys.modules.get("fsspec.asyn")
+    if asyn is not None and not hasattr(asyn, "reset_after_fork"):
+        # fsspec < 2025.3.1 does not reset its IO loop in a forked child: a filesystem made
+        # there would run on the parent's loop, whose thread does not exist here (hangs)
+        asyn.reset_lock()
+    for driver in list(_LIVE_DRIVERS):
+        driver.after_fork()
+
+
+os.register_at_fork(after_in_child=_drivers_after_fork)
+
+
+_PROCESS_LOCKS: dict[str, threading.Lock] = {}
+_PROCESS_LOCKS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def held(lock: threading.Lock | threading.RLock, timeout: float, what: str) -> Iterator[None]:
+    """Hold ``lock``, or raise :class:`StorageTimeoutError` after ``timeout`` seconds."""
+    if not lock.acquire(timeout=timeout):
+        raise StorageTimeoutError(f"could not take {what} within {timeout}s")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def process_lock(root: str, timeout: float) -> contextlib.AbstractContextManager[None]:
+    """The lock shared within this process by every driver of ``root`` (held through
+    :func:`held`: :class:`StorageTimeoutError` after ``timeout`` seconds)."""
+    with _PROCESS_LOCKS_GUARD:
+        lk = _PROCESS_LOCKS.setdefault(root, threading.Lock())
+    return held(lk, timeout, f"the store lock of {root}")
