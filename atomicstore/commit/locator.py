@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..drivers import driver_class, split_url
-from ..drivers.base import Driver
+from ..drivers.spec import Driver
 from ..errors import AtomicStoreError, InvalidArgumentError
 from .store import Store, open_store
 

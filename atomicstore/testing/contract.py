@@ -629,7 +629,7 @@ class DriverContract:
         driver.exchange("t/f1", "t/f2")  # files: the one-file overwrite
         assert driver.read("t/f2") == b"file one"
         assert not driver.exists("t/f1") or driver.read("t/f1") == b"file two"
-        if not driver.replaces_directories:
+        if not driver.capabilities.replaces_directories:
             with pytest.raises(StorageError):
                 driver.exchange("t/a", "t/b")
             return
@@ -743,7 +743,7 @@ class DriverContract:
             txn.write_bytes("v", b"one")
         replace = store.transaction("o", overwrite=True)
         replace.write_bytes("v", b"two")
-        if self.caps(store.driver).atomic_rename and not store.driver.replaces_directories:
+        if self.caps(store.driver).atomic_rename and not store.driver.capabilities.replaces_directories:
             with pytest.raises(StorageError):
                 replace.commit()
             assert store.read_bytes("o", "v") == b"one"
