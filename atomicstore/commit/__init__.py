@@ -1,11 +1,12 @@
 """Commit layer: transactions, manifests, commit strategies, recovery. Never imports jax."""
 
+from .checked import CheckedReader
 from .conformance import ConformanceReport, Guarantee
 from .manifest import FileEntry, Manifest, Marker, crc32c
 from .names import natural_key, natural_sort, path_argument, validate_name, validate_path
 from .onefile import OneFileCommit
 from .recovery import RecoveryAction, RecoveryReport
-from .store import CheckedReader, Checkpoint, Store, open_store
+from .store import Checkpoint, Store, open_store
 from .strategies import CommitStrategy, MarkerStrategy, RenameStrategy, choose_strategy
 from .transaction import Transaction, TransactionFile
 
