@@ -1,21 +1,35 @@
 """Commit layer: transactions, manifests, commit strategies, recovery. Never imports jax."""
 
+from .checked import CheckedReader
 from .conformance import ConformanceReport, Guarantee
+from .context import CommitContext
 from .manifest import FileEntry, Manifest, Marker, crc32c
 from .names import natural_key, natural_sort, path_argument, validate_name, validate_path
 from .onefile import OneFileCommit
-from .recovery import RecoveryAction, RecoveryReport
-from .store import CheckedReader, Checkpoint, Store, open_store
-from .strategies import CommitStrategy, MarkerStrategy, RenameStrategy, choose_strategy
+from .recovery import ActionKind, RecoveryAction, RecoveryReport
+from .store import Checkpoint, Store, open_store
+from .strategies import (
+    CommitStrategy,
+    KeyClass,
+    KeyKind,
+    MarkerStrategy,
+    RenameStrategy,
+    Settled,
+    choose_strategy,
+)
 from .transaction import Transaction, TransactionFile
 
 __all__ = [
+    "ActionKind",
     "CheckedReader",
+    "CommitContext",
     "Checkpoint",
     "CommitStrategy",
     "ConformanceReport",
     "FileEntry",
     "Guarantee",
+    "KeyClass",
+    "KeyKind",
     "Manifest",
     "MarkerStrategy",
     "OneFileCommit",
@@ -23,6 +37,7 @@ __all__ = [
     "RecoveryAction",
     "RecoveryReport",
     "RenameStrategy",
+    "Settled",
     "Store",
     "Transaction",
     "TransactionFile",

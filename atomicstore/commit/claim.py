@@ -34,7 +34,6 @@ import math
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..drivers.spec import Driver, FileInfo
 from ..errors import (
@@ -47,9 +46,6 @@ from ..errors import (
 )
 from .lease import Lease, lease_key, read_lease_ttl
 from .names import ATTEMPT_ID, RESERVED_DIR, validate_name
-
-if TYPE_CHECKING:
-    from .store import Store
 
 log = logging.getLogger("atomicstore.commit")
 
@@ -109,18 +105,20 @@ def read_claim(driver: Driver, key: str, generation: str | None) -> ClaimHolder:
 
 
 class NameClaim:
-    """The claim of one commit of ``name`` by ``attempt`` (whose lease the caller holds):
-    taken right before its commit request, released right after it answered, or kept with
-    the lease when the request's outcome is unknown (it may still land: the claim then
-    goes with the lease, after ttl + grace). See the module docstring. ``layout`` is
-    recorded in the claim for people reading it."""
+    """The claim of one commit of the name of ``lease`` by its attempt (the caller holds
+    the lease): taken right before its commit request, released right after it answered,
+    or kept with the lease when the request's outcome is unknown (it may still land: the
+    claim then goes with the lease, after ttl + grace). See the module docstring.
+    ``layout`` is recorded in the claim for people reading it; ``grace`` is the store's
+    (a holder's lease is alive while renewed within its ttl + grace, as recovery judges
+    it). The writer, its ttl and its clock are the lease's."""
 
-    def __init__(self, store: Store, name: str, attempt: str, layout: str, lease: Lease) -> None:
-        self.store, self.name, self.attempt, self.lease = store, name, attempt, lease
-        self.driver = store.driver
-        self.key = claim_key(name)
-        self.doc = json.dumps({"name": name, "attempt": attempt, "writer": store.writer_id,
-                               "layout": layout, "ttl": store.lease_ttl}).encode()
+    def __init__(self, lease: Lease, layout: str, grace: float) -> None:
+        self.name, self.attempt, self.lease, self.grace = lease.name, lease.attempt, lease, grace
+        self.driver = lease.driver
+        self.key = claim_key(self.name)
+        self.doc = json.dumps({"name": self.name, "attempt": self.attempt, "writer": lease.writer,
+                               "layout": layout, "ttl": lease.ttl}).encode()
         self.held = False
         self.generation: str | None = None
         #: the first try, sent in the background by :meth:`start`
@@ -134,9 +132,9 @@ class NameClaim:
         """(alive, ttl, info) of the holder's lease, read now: alive while it was renewed
         less than its ttl + grace ago (by the storage's clock, as recovery judges it);
         info None if it is gone."""
-        store, d = self.store, self.driver
+        d = self.driver
         if holder.attempt is None:
-            return False, store.lease_ttl, None
+            return False, self.lease.ttl, None
         key = lease_key(self.name, holder.attempt)
         try:
             info = d.info(key)
@@ -146,10 +144,10 @@ class NameClaim:
                 except CorruptionError:
                     self._ttls[key] = 0.0
         except NotFoundError:
-            return False, store.lease_ttl, None
-        ttl, now = self._ttls[key], store.clock()
+            return False, self.lease.ttl, None
+        ttl, now = self._ttls[key], self.lease.clock()
         mtime = info.mtime if info.mtime is not None else now
-        return mtime + ttl + store.grace > now, ttl, info
+        return mtime + ttl + self.grace > now, ttl, info
 
     def _fence(self, lease: FileInfo | None) -> bool:
         """Remove a dead holder's lease at the generation read (as recovery fences one),
@@ -199,7 +197,7 @@ class NameClaim:
         :class:`StorageTimeoutError` if a live holder keeps it longer than its lease's
         ttl + grace + the retry deadline of one request. ``tried``: :meth:`try_take` was
         refused just now."""
-        store, d = self.store, self.driver
+        d = self.driver
         delay = CLAIM_POLL[0]
         waiting_on: str | None = ""
         since = time.monotonic()
@@ -232,7 +230,7 @@ class NameClaim:
                 continue
             if gen != waiting_on:
                 waiting_on, since = gen, time.monotonic()
-            limit = ttl + store.grace + (d.retry.deadline if d.retry.deadline is not None else math.inf)
+            limit = ttl + self.grace + (d.retry.deadline if d.retry.deadline is not None else math.inf)
             if time.monotonic() - since > limit:
                 raise StorageTimeoutError(
                     f"commit of {d.describe(self.name)}: attempt {holder.attempt} (writer "

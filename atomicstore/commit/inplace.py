@@ -131,7 +131,7 @@ class InPlaceCommit:
         d = store.driver
         if d.exists(f"{name}/{MARKER_FILE}"):
             raise CommitConflictError(f"step {d.describe(name)} is already committed", name=name)
-        lease = Lease(d, name, self.attempt, store.writer_id, store.lease_ttl, store.clock)
+        lease = store.context.lease(name, self.attempt)
         lease.acquire()  # before any data: recovery leaves the attempt alone while it lives
         self.lease = lease
         self._claim()

@@ -34,7 +34,6 @@ import logging
 import os
 import posixpath
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from ..drivers.parts import BufferedPartWriter
 from ..errors import (
@@ -46,22 +45,11 @@ from ..errors import (
     TransactionError,
 )
 from . import conformance
-from .claim import (
-    CLAIMS,
-    ClaimHolder,
-    NameClaim,
-    claim_key,
-    claims_needed,
-    parse_claim_key,
-    read_claim,
-)
-from .lease import Lease
+from .claim import CLAIMS, ClaimHolder, claim_key, parse_claim_key, read_claim
+from .context import CommitContext
 from .names import validate_name
 from .strategies import STAGING, new_attempt_id
 from .transaction import require_owner
-
-if TYPE_CHECKING:
-    from .store import Store
 
 log = logging.getLogger("atomicstore.commit")
 
@@ -80,11 +68,13 @@ class OneFileCommit:
     its lease's ttl + grace + one request's retry deadline.
     """
 
-    def __init__(self, store: Store, name: str, *, overwrite: bool = False) -> None:
+    def __init__(self, context: CommitContext, name: str, *, overwrite: bool = False) -> None:
         validate_name(name)
         if not isinstance(overwrite, bool):
             raise InvalidArgumentError("overwrite must be a bool")
-        self.store, self.name, self.overwrite = store, name, overwrite
+        #: the store's driver, strategy, writer and times (built once by the Store)
+        self.context = context
+        self.name, self.overwrite = name, overwrite
         #: the process that began the commit: only it may write, commit or abort it
         self.pid = os.getpid()
         self.attempt = new_attempt_id()
@@ -93,7 +83,7 @@ class OneFileCommit:
         #: whatever replaced it since), or None where the backend did not say
         self.generation: str | None = None
         self._done = False
-        d = store.driver
+        d = context.driver
         # (Store.one_file checks too; this covers a OneFileCommit built directly)
         conformance.ensure(d, conformance.ONE_FILE)
         self.staged = d.capabilities.atomic_rename
@@ -103,9 +93,8 @@ class OneFileCommit:
         self.expected = self._generation() if overwrite else None
         #: the claim the commit request is made under (None: the backend renames, or
         #: cannot create exclusively at all)
-        self._lease = Lease(d, name, self.attempt, store.writer_id, store.lease_ttl, store.clock)
-        self._claim = NameClaim(store, name, self.attempt, "one-file", self._lease) if (
-            not self.staged and claims_needed(d)) else None
+        self._lease = context.lease(name, self.attempt)
+        self._claim = None if self.staged else context.claim(self._lease, "one-file")
         #: the refusal found under the claim when the name holds a directory-layout checkpoint
         self._layout_error: AlreadyExistsError | None = None
         self._hooked = False
@@ -150,8 +139,8 @@ class OneFileCommit:
         # generation. And a native save of this name commits its marker under the same
         # claim: a marker there now is refused (the layouts cannot be swapped).
         # (+2 HEADs per one-file save, sent together.)
-        strategy = self.store.strategy
-        native = self.store.driver.background(lambda: strategy.has_checkpoint(self.name))
+        strategy = self.context.strategy
+        native = self.context.driver.background(lambda: strategy.has_checkpoint(self.name))
         try:
             generation = self._generation()
         finally:
@@ -160,19 +149,19 @@ class OneFileCommit:
             self._layout_error = strategy.one_file_over_native(self.name)
             raise self._layout_error
         if generation != self.expected:
-            raise AlreadyExistsError(f"{self.store.driver.describe(self.name)} changed since the save began")
+            raise AlreadyExistsError(f"{self.context.driver.describe(self.name)} changed since the save began")
         claim.confirm()  # not paused past the lease since its check (no request)
         self._requested = True
 
     def _generation(self) -> str | None:
         try:
-            return self.store.driver.info(self.name).generation
+            return self.context.driver.info(self.name).generation
         except NotFoundError:
             return None
 
     def _conflict(self) -> CommitConflictError:
         return CommitConflictError(
-            f"checkpoint {self.store.driver.describe(self.name)} already exists"
+            f"checkpoint {self.context.driver.describe(self.name)} already exists"
             + (" (it changed since this overwrite began)" if self.overwrite else ""),
             name=self.name,
         )
@@ -202,7 +191,7 @@ class OneFileCommit:
         if self._done:
             raise TransactionError(f"{self.name!r} is already committed or aborted")
         self._done = True
-        d = self.store.driver
+        d = self.context.driver
         replaced = False
         try:
             if self.staged:
@@ -269,7 +258,7 @@ class OneFileCommit:
     def _swap_in(self) -> bool:
         """Rename the staged file onto its name (the commit point); True if it replaced
         an older file, which then sits at the staging key."""
-        d = self.store.driver
+        d = self.context.driver
         if not self.overwrite:
             d.rename(self.key, self.name)  # refuses an existing name atomically
         else:
@@ -288,7 +277,7 @@ class OneFileCommit:
         self._w.abort()
         if self.staged:
             try:
-                self.store.driver.delete(self.key)
+                self.context.driver.delete(self.key)
             except Exception:  # noqa: BLE001 - recovery removes it later
                 pass
         self._lease.release()

@@ -113,7 +113,7 @@ class StagedCommit:
         the lease, before any data; create the staging directory."""
         meta = {METADATA_KEY: {"format": COMMIT_FORMAT, "layout": "staged", "orbax_version": self.version}}
         # a committed name: CommitConflictError here; then the lease, before any data
-        txn = Transaction(self.store, self.name, metadata=meta, attempt=self.attempt)
+        txn = Transaction(self.store.context, self.name, metadata=meta, attempt=self.attempt)
         self.txn = txn
         d = self.store.driver
         d.makedirs(txn.prefix)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import io
 import json
 import logging
 import math
@@ -11,7 +10,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ..drivers import get_driver
@@ -27,11 +26,12 @@ from ..errors import (
 )
 from ..retry import RetryPolicy
 from . import conformance
+from .checked import CheckedReader
 from .conformance import ConformanceReport
+from .context import CommitContext
 from .lease import DEFAULT_LEASE_TTL
 from .manifest import (
     MAX_MANIFEST_BYTES,
-    Crc32cHasher,
     FileEntry,
     Manifest,
     Marker,
@@ -48,7 +48,8 @@ from .names import (
 )
 from .onefile import OneFileCommit
 from .recovery import DEFAULT_GRACE, RecoveryReport, recover
-from .strategies import CommitStrategy, choose_strategy, new_attempt_id
+from .strategies import choose_strategy
+from .strategy import CommitStrategy, new_attempt_id
 from .transaction import Transaction
 
 log = logging.getLogger("atomicstore")
@@ -61,61 +62,6 @@ PARALLEL_READ_CHUNK = 32 * 2**20
 def default_writer_id() -> str:
     """``host:pid:random``: who wrote a checkpoint, recorded in manifests and markers."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-
-
-class CheckedReader(io.RawIOBase):
-    """A streamed read of one file of a checkpoint that checks size and CRC32C.
-
-    The check happens incrementally while reading; reaching the end of the file with a
-    mismatch raises :class:`ChecksumMismatchError` naming the file.
-    """
-
-    def __init__(self, chunks: Iterator[bytes], entry: FileEntry, path: str, where: str) -> None:
-        self._chunks = chunks
-        self._entry = entry
-        self._path = path
-        self._where = where
-        self._hash = Crc32cHasher()
-        self._buf = memoryview(b"")
-        self._eof = False
-
-    def readable(self) -> bool:
-        """Always True (a read-only stream)."""
-        return True
-
-    def _next(self) -> bool:
-        if self._eof:
-            return False
-        for chunk in self._chunks:
-            if chunk:
-                self._hash.update(chunk)
-                if self._hash.size > self._entry.size:
-                    self._entry.check(self._path, self._hash.size, self._hash.value, where=self._where)
-                self._buf = memoryview(chunk)
-                return True
-        self._eof = True
-        self._entry.check(self._path, self._hash.size, self._hash.value, where=self._where)
-        return False
-
-    def readinto(self, b: Any) -> int:
-        """Read up to ``len(b)`` bytes into ``b``; 0 at the end of the file, where the size
-        and CRC32C are checked."""
-        out = memoryview(b).cast("B")
-        if not len(self._buf) and not self._next():
-            return 0
-        n = min(len(out), len(self._buf))
-        out[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
-
-    def readall(self) -> bytes:
-        """The rest of the file, its size and CRC32C checked."""
-        parts = [bytes(self._buf)]
-        self._buf = memoryview(b"")
-        while self._next():
-            parts.append(bytes(self._buf))
-            self._buf = memoryview(b"")
-        return b"".join(parts)
 
 
 class Checkpoint:
@@ -272,13 +218,6 @@ class Store:
             raise InvalidArgumentError("grace must be a non-negative number of seconds")
         if writer_id is not None and (not isinstance(writer_id, str) or not writer_id or len(writer_id) > 200):
             raise InvalidArgumentError("writer_id must be a non-empty string of at most 200 characters")
-        self.driver = driver
-        self.strategy: CommitStrategy = choose_strategy(driver)
-        self.writer_id = writer_id or default_writer_id()
-        self.lease_ttl = float(lease_ttl)
-        self.grace = float(grace)
-        #: Unix seconds; leases and recovery read time only through it (tests inject one)
-        self.clock: Callable[[], float] = clock or time.time
         if clock is not None:
             try:
                 now = clock()
@@ -287,8 +226,47 @@ class Store:
                 raise InvalidArgumentError(f"clock() failed: {exc!r}") from None
             if not ok:
                 raise InvalidArgumentError(f"clock must return Unix seconds as a number, not {now!r}")
+        #: what transactions, one-file commits and recovery are given (built once here)
+        self.context = CommitContext(
+            driver=driver,
+            strategy=choose_strategy(driver),
+            writer_id=writer_id or default_writer_id(),
+            lease_ttl=float(lease_ttl),
+            grace=float(grace),
+            clock=clock or time.time,
+        )
         if not check_conformance and conformance.needs_check(driver):
             conformance.skip(driver)  # (a warning, once per endpoint and bucket)
+
+    @property
+    def driver(self) -> Driver:
+        """The driver the store reads and writes through."""
+        return self.context.driver
+
+    @property
+    def strategy(self) -> CommitStrategy:
+        """The commit strategy, chosen from the driver's declared capabilities."""
+        return self.context.strategy
+
+    @property
+    def writer_id(self) -> str:
+        """Who writes: recorded in manifests, commit markers, leases and claims."""
+        return self.context.writer_id
+
+    @property
+    def lease_ttl(self) -> float:
+        """Seconds a save's lease lives without renewal."""
+        return self.context.lease_ttl
+
+    @property
+    def grace(self) -> float:
+        """Extra seconds recovery waits before it treats unleased data as stale."""
+        return self.context.grace
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """Unix seconds; leases and recovery read time only through it (tests inject one)."""
+        return self.context.clock
 
     def conformance(self) -> ConformanceReport:
         """The conformance report of this store's endpoint and bucket: the result of this
@@ -335,7 +313,7 @@ class Store:
                 json.dumps(metadata, allow_nan=False)
             except (TypeError, ValueError, RecursionError) as exc:
                 raise InvalidArgumentError(f"metadata is not JSON-serialisable: {exc}") from None
-        return Transaction(self, name, metadata=metadata, attempt=new_attempt_id(), overwrite=overwrite)
+        return Transaction(self.context, name, metadata=metadata, attempt=new_attempt_id(), overwrite=overwrite)
 
     def one_file(self, name: str, *, overwrite: bool = False) -> OneFileCommit:
         """Stream a checkpoint that is a single file ``name`` (flax's legacy layout) and
@@ -353,7 +331,7 @@ class Store:
             return self.strategy.has_checkpoint(name) if native.cancel() else native.result()
 
         try:
-            commit = OneFileCommit(self, name, overwrite=overwrite)
+            commit = OneFileCommit(self.context, name, overwrite=overwrite)
         except AlreadyExistsError:
             if is_native():
                 raise self.strategy.one_file_over_native(name) from None
@@ -573,7 +551,7 @@ class Store:
             raise InvalidArgumentError("grace must be a non-negative number of seconds")
         if flax_prefix is not None and (not isinstance(flax_prefix, str) or "/" in flax_prefix):
             raise InvalidArgumentError("flax_prefix must be a string without '/'")
-        return recover(self, dry_run=dry_run, grace=self.grace if grace is None else grace,
+        return recover(self.context, dry_run=dry_run, grace=self.grace if grace is None else grace,
                        now=now, flax_prefix=flax_prefix)
 
     def close(self) -> None:

@@ -10,17 +10,13 @@ import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..drivers.spec import Writer
 from ..errors import AlreadyExistsError, InvalidArgumentError, TransactionError
-from .claim import NameClaim, claims_needed
-from .lease import Lease
+from .context import CommitContext
 from .manifest import MAX_MANIFEST_BYTES, Crc32cHasher, FileEntry, Manifest, encode_metadata
 from .names import validate_path
-
-if TYPE_CHECKING:
-    from .store import Store
 
 log = logging.getLogger("atomicstore.commit")
 
@@ -79,7 +75,7 @@ class TransactionFile:
             raise InvalidArgumentError(
                 f"write to {self.path!r}: need a C-contiguous bytes-like object ({exc})"
             ) from None
-        if not self._leased and self._hash.size + mv.nbytes >= self._txn.store.driver.block_size:
+        if not self._leased and self._hash.size + mv.nbytes >= self._txn.context.driver.block_size:
             self._txn._lease.wait()  # a part may be uploaded now: not before the lease
             self._leased = True
         if crc32c is None:
@@ -153,7 +149,7 @@ class Transaction:
 
     def __init__(
         self,
-        store: Store,
+        context: CommitContext,
         name: str,
         *,
         metadata: dict[str, Any] | None,
@@ -162,7 +158,8 @@ class Transaction:
     ) -> None:
         #: the process that made the transaction: only it may write, commit or abort it
         self.pid = os.getpid()
-        self.store = store
+        #: the store's driver, strategy, writer and times (built once by the Store)
+        self.context = context
         self.name = name
         self.attempt = attempt
         self.overwrite = overwrite
@@ -177,11 +174,10 @@ class Transaction:
         self.started = time.time()
         #: the committed manifest, once :meth:`commit` succeeded
         self.manifest: Manifest | None = None
-        self._lease = Lease(store.driver, name, attempt, store.writer_id, store.lease_ttl, store.clock)
+        self._lease = context.lease(name, attempt)
         #: the name's claim, held around the commit point on object stores (commit/claim.py)
-        self._claim = (NameClaim(store, name, attempt, "directory", self._lease)
-                       if claims_needed(store.driver) else None)
-        strategy = store.strategy
+        self._claim = context.claim(self._lease, "directory")
+        strategy = context.strategy
 
         def early() -> str | None:
             strategy.begin(name, attempt, overwrite=overwrite)
@@ -192,7 +188,7 @@ class Transaction:
         # lease is stored (TransactionFile.close, and ``prefix`` for files written
         # directly), so recovery still never sees data without a lease. (On local
         # backends ``background`` runs at once: check, then lease, as before.)
-        found = store.driver.background(early)
+        found = context.driver.background(early)
         if found.done():
             found.result()  # a conflict is raised before any lease is written
         self._lease.acquire(wait=False)
@@ -213,7 +209,7 @@ class Transaction:
             self._check_open()
             if path in self._files or path in self._open:
                 raise InvalidArgumentError(f"{path!r} is already written in this transaction")
-            f = TransactionFile(self, path, self.store.driver.open_writer(f"{self._prefix}/{path}"))
+            f = TransactionFile(self, path, self.context.driver.open_writer(f"{self._prefix}/{path}"))
             self._open[path] = f
             return f
 
@@ -310,7 +306,7 @@ class Transaction:
             manifest = Manifest(
                 name=self.name,
                 attempt=self.attempt,
-                writer=self.store.writer_id,
+                writer=self.context.writer_id,
                 created=self.started,
                 files=dict(self._files),
                 metadata=self.metadata,
@@ -337,14 +333,14 @@ class Transaction:
                 # publish cleans up after itself where that is provably safe; it checks
                 # the lease (a writer declared dead must not commit) after writing the
                 # manifest, right before the commit point
-                self.store.strategy.publish(
-                    self.name, self.attempt, self.store.writer_id, data, overwrite=self.overwrite,
+                self.context.strategy.publish(
+                    self.name, self.attempt, self.context.writer_id, data, overwrite=self.overwrite,
                     expected=self.expected, check=checks, claim=self._claim,
                 )
             except AlreadyExistsError:  # refused at the commit point (another writer won,
                 # or a one-file checkpoint of the name appeared): nothing was published
                 self._state = _State.ABORTED
-                self.store.strategy.discard(self.name, self.attempt)
+                self.context.strategy.discard(self.name, self.attempt)
                 self._lease.release()
                 raise
             except BaseException:
@@ -356,7 +352,7 @@ class Transaction:
             self._state = _State.COMMITTED
             self.manifest = manifest
             self._lease.release()
-        log.info("committed %s (%d files, %d bytes)", self.store.driver.describe(self.name),
+        log.info("committed %s (%d files, %d bytes)", self.context.driver.describe(self.name),
                  len(manifest.files), manifest.total_bytes)
         return manifest
 
@@ -376,7 +372,7 @@ class Transaction:
             f.abort()
         for w, _ in closing:
             w.abort()  # returns once nothing of that upload is in flight any more
-        self.store.strategy.discard(self.name, self.attempt)
+        self.context.strategy.discard(self.name, self.attempt)
         self._lease.release()
 
     @property

@@ -477,7 +477,7 @@ def save_gda(session: Session, st: Store, prefix: str, name: str, state: Any, le
         with st.one_file(name, overwrite=overwrite) as f:  # the commit point of the step
             StateWriter(bound, sort_keys=False).write(f)
 
-    coordinated_save(session, st.driver, leaves, shards, begin=begin, finish=finish, name=gda_file, after=after)
+    coordinated_save(session, st, leaves, shards, begin=begin, finish=finish, name=gda_file, after=after)
 
 
 # -- listing and restoring -------------------------------------------------------------------

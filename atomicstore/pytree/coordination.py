@@ -49,8 +49,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..commit import Transaction
-from ..drivers import Driver
+from ..commit import Store, Transaction
 from ..errors import (
     AtomicStoreError,
     ChecksumMismatchError,
@@ -321,7 +320,7 @@ def agree(session: Session) -> None:
 
 def coordinated_save(
     session: Session,
-    driver: Driver,
+    store: Store,
     leaves: list[ShardedLeaf],
     shards: list[LocalShard],
     *,
@@ -340,11 +339,11 @@ def coordinated_save(
     that every process sees its effect once the call returns; its error is raised in
     process 0 only (the save is committed)."""
     if session.main:
-        return _main(session, driver, leaves, shards, begin, finish, name, after, threads)
-    return _other(session, leaves, shards, driver, name, threads)
+        return _main(session, store, leaves, shards, begin, finish, name, after, threads)
+    return _other(session, leaves, shards, store, name, threads)
 
 
-def _main(session: Session, driver: Driver, leaves: list[ShardedLeaf], shards: list[LocalShard],
+def _main(session: Session, store: Store, leaves: list[ShardedLeaf], shards: list[LocalShard],
           begin: Callable[[], Transaction], finish: Callable[..., Any], name: Callable[..., str],
           after: Callable[[], None] | None, threads: int) -> Any:
     txn = None
@@ -352,7 +351,7 @@ def _main(session: Session, driver: Driver, leaves: list[ShardedLeaf], shards: l
         txn = begin()
         session.put("plan", {"what": session.what, "prefix": txn.prefix, "attempt": txn.attempt,
                              "leaves": [leaf.describe() for leaf in leaves]})
-        reports = _reports(session, driver, txn, shards, name, threads)
+        reports = _reports(session, store, txn, shards, name, threads)
         by_array = _tiled(session, reports, leaves)
         for rep in reports:
             for f in rep["files"]:
@@ -367,11 +366,11 @@ def _main(session: Session, driver: Driver, leaves: list[ShardedLeaf], shards: l
     return out
 
 
-def _reports(session: Session, driver: Driver, txn: Transaction, shards: list[LocalShard],
+def _reports(session: Session, store: Store, txn: Transaction, shards: list[LocalShard],
              name: Callable[..., str], threads: int) -> list[dict[str, Any]]:
     """Process 0's shards written into ``txn``, then every process's report (process 0's
     first) of the shard files it wrote; raise if any process failed."""
-    reports = [{"files": write_shards(driver, txn.prefix, shards, name, threads)}]
+    reports = [{"files": write_shards(store, txn.prefix, shards, name, threads)}]
     for i in range(1, session.count):
         reports.append(session.get(f"report/{i}", f"process {i}"))
     if session.count > 1:
@@ -434,7 +433,7 @@ def _quiet_abort(txn: Transaction) -> None:
         log.warning("clean-up of the failed save %s: %s", txn.name, exc)
 
 
-def _other(session: Session, leaves: list[ShardedLeaf], shards: list[LocalShard], driver: Driver,
+def _other(session: Session, leaves: list[ShardedLeaf], shards: list[LocalShard], store: Store,
            name: Callable[..., str], threads: int) -> dict[str, Any]:
     try:
         plan = session.get("plan", "process 0")
@@ -451,7 +450,7 @@ def _other(session: Session, leaves: list[ShardedLeaf], shards: list[LocalShard]
                 f"(here {[m[1] for m in mine]}, there {[p[1] for p in plan['leaves']]}; an array on the "
                 "devices of one process only is seen whole there and sharded elsewhere: place it on "
                 "every process's devices or fetch it to host first)")
-        files = write_shards(driver, plan["prefix"], shards, name, threads)
+        files = write_shards(store, plan["prefix"], shards, name, threads)
     except BaseException as exc:
         session.fail(exc)
         raise

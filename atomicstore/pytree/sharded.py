@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from ..commit.adapters import open_attempt_file
 from ..commit.manifest import crc32c, crc32c_combine
-from ..commit.store import Checkpoint
-from ..drivers import Driver
+from ..commit.store import Checkpoint, Store
 from ..errors import ChecksumMismatchError, CorruptionError, InvalidArgumentError
 from .dtypes import is_float
 from .format import SHARD_BLOCK, Shard, aligned_empty, bytes_view
@@ -119,15 +119,17 @@ def local_shards(leaves: list[ShardedLeaf], arrays: list[Any], *, to_host: bool)
     return out
 
 
-def write_shard(driver: Driver, key: str, data: np.ndarray, block: int = SHARD_BLOCK) -> tuple[int, int, list[int]]:
-    """Write ``data``'s bytes to ``key`` straight from its buffer, durable when this
+def write_shard(store: Store, prefix: str, file: str, data: np.ndarray, block: int = SHARD_BLOCK
+                ) -> tuple[int, int, list[int]]:
+    """Write ``data``'s bytes to ``<prefix>/<file>`` (a file of the attempt staged at
+    ``prefix``, through the commit layer) straight from its buffer, durable when this
     returns; (size, CRC32C, per-block CRC32C)."""
     mv = bytes_view(data)
     blocks = [crc32c(mv[i : i + block]) for i in range(0, mv.nbytes, block)]
     whole = 0
     for i, c in enumerate(blocks):
         whole = crc32c_combine(whole, c, min(block, mv.nbytes - i * block))
-    w = driver.open_writer(key)
+    w = open_attempt_file(store, prefix, file)
     try:
         for i in range(0, max(mv.nbytes, 1), block):
             w.write(mv[i : i + block])
@@ -138,7 +140,7 @@ def write_shard(driver: Driver, key: str, data: np.ndarray, block: int = SHARD_B
     return mv.nbytes, whole, blocks
 
 
-def write_shards(driver: Driver, prefix: str, shards: list[LocalShard], name: Callable[[int, tuple[int, ...]], str],
+def write_shards(store: Store, prefix: str, shards: list[LocalShard], name: Callable[[int, tuple[int, ...]], str],
                  threads: int = 8) -> list[dict[str, Any]]:
     """Write each shard to ``<prefix>/<name(n, start)>`` (several at once); their reports:
     ``{"n", "file", "start", "shape", "size", "crc32c", "blocks"}``."""
@@ -146,7 +148,7 @@ def write_shards(driver: Driver, prefix: str, shards: list[LocalShard], name: Ca
     def one(o: LocalShard) -> dict[str, Any]:
         data = o.host()  # copied to host here, one shard per thread at a time
         file = name(o.n, o.start)
-        size, crc, blocks = write_shard(driver, f"{prefix}/{file}", data)
+        size, crc, blocks = write_shard(store, prefix, file, data)
         return {"n": o.n, "file": file, "start": list(o.start), "shape": list(data.shape), "size": size,
                 "crc32c": crc, "blocks": blocks}
 

@@ -535,7 +535,7 @@ class PreparedSave:
             self.write_state(txn, shards)
             return txn.commit(check=can_commit)
 
-        out = coordinated_save(s, st.driver, self.leaves, self.shards, begin=begin, finish=finish,
+        out = coordinated_save(s, st, self.leaves, self.shards, begin=begin, finish=finish,
                                name=shard_file, after=after)
         if isinstance(out, Manifest):
             return out

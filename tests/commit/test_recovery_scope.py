@@ -179,3 +179,44 @@ def test_flax_multiprocess_gda_orphans_are_identified_by_their_layout(backend):
     store.verify("checkpoint_6_gda")
     store.recover(now=FUTURE)  # the un-published checkpoint's data, wherever it went
     assert not store.recover(now=FUTURE, flax_prefix="checkpoint_").actions
+
+
+# -- the strategy owns its layout -----------------------------------------------------------
+def test_each_strategy_classifies_only_its_own_layout():
+    """Recovery removes only what the strategy classifies as its own: every key of its
+    layout gets its kind (with name, attempt and tree), and a checkpoint's committed files,
+    the user's files, flax-like names and keys below another store's root are FOREIGN."""
+    from atomicstore.commit.strategies import (
+        STAGING,
+        TRASH,
+        KeyKind,
+        MarkerStrategy,
+        RenameStrategy,
+    )
+
+    driver = atomicstore.open_store("memory://classify").driver
+    att = "20260101T000000-0123456789ab"
+    shared = {
+        f".atomicstore/leases/step_1.{att}.json": (KeyKind.LEASE, "step_1", att, ""),
+        ".atomicstore/claims/step_1.json": (KeyKind.CLAIM, "step_1", "", ""),
+        ".atomicstore/conformance/p1/x": (KeyKind.PROBE, "", "", ".atomicstore/conformance/p1"),
+        f"{STAGING}/step_1.{att}/a.bin": (KeyKind.ATTEMPT, "step_1", att, f"{STAGING}/step_1.{att}"),
+        f"{TRASH}/step_1.{att}.ab12/a.bin": (KeyKind.TRASH, "", "", f"{TRASH}/step_1.{att}.ab12"),
+        ".atomicstore/unknown/x": (KeyKind.FOREIGN, "", "", ""),
+        "checkpoint_tmp": (KeyKind.ONE_FILE, "checkpoint_tmp", "", ""),
+        "notes/readme.txt": (KeyKind.FOREIGN, "", "", ""),
+        "checkpoint_tmp/a.bin": (KeyKind.FOREIGN, "", "", ""),
+        "run-42/.atomicstore/leases/x.y.json": (KeyKind.FOREIGN, "", "", ""),
+    }
+    own = {
+        "step_1/commit_success.txt": (KeyKind.MARKER, "step_1", "", ""),
+        f"step_1/attempt-{att}/a.bin": (KeyKind.ATTEMPT, "step_1", att, f"step_1/attempt-{att}"),
+        "step_1/attempt-not-an-id/a.bin": (KeyKind.FOREIGN, "", "", ""),
+        f"run-42/attempt-{att}/a.bin": (KeyKind.FOREIGN, "", "", ""),  # another store's root
+        "step_1/manifest.json": (KeyKind.FOREIGN, "", "", ""),
+    }
+    for strategy, layout in ((MarkerStrategy(driver), own),
+                             (RenameStrategy(driver), dict.fromkeys(own, (KeyKind.FOREIGN, "", "", "")))):
+        for key, want in {**shared, **layout}.items():
+            kc = strategy.classify(key, listing=[key], nested={"run-42"})
+            assert (kc.kind, kc.name, kc.attempt, kc.prefix) == want, (strategy.kind, key, kc)
