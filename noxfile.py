@@ -195,10 +195,11 @@ MATRIX_TESTS = {
     # round trips of every dtype (bfloat16, float8, ...), jax targets, sharded arrays
     "pytree": ["tests/pytree/test_pytree.py", "tests/pytree/test_pytree_entry_points.py", "tests/pytree/test_pytree_hostile.py",
                "tests/pytree/test_pytree_jax_targets.py", "tests/pytree/test_sharded_format.py"],
-    # the drivers' protocol over fsspec/s3fs/gcsfs/botocore against the servers (-k below),
-    # and in a forked child (fsspec < 2025.3.1 keeps its parent's event loop there)
+    # the drivers' protocol and the shipped driver contract over fsspec/s3fs/gcsfs/botocore
+    # against the servers (-k below), and in a forked child (fsspec < 2025.3.1 keeps its
+    # parent's event loop there)
     "drivers": ["tests/commit/test_protocol.py", "tests/drivers/test_drivers.py", "tests/drivers/test_parallel_io.py",
-                "tests/drivers/test_fork_drivers.py"],
+                "tests/drivers/test_fork_drivers.py", "tests/drivers/test_contract.py"],
     # Orbax in a process of its own (see `tests`)
     "orbax": ["tests/integrations/test_integration_orbax.py"],
 }
