@@ -17,6 +17,7 @@ from ..drivers import Writer
 from ..errors import CorruptionError, InvalidArgumentError, NotFoundError, PreconditionFailedError
 from .names import ATTEMPT_ID, validate_name, validate_path
 from .store import Store
+from .strategy import KeyKind
 
 _TRAILING_ATTEMPT = re.compile(rf"({ATTEMPT_ID.pattern})$")
 
@@ -53,20 +54,28 @@ def open_attempt_file(store: Store, prefix: str, path: str) -> Writer:
     return store.driver.open_writer(f"{prefix}/{path}")
 
 
-def delete_one_file_step(store: Store, name: str, companion: str | None = None) -> bool:
+def delete_one_file_step(store: Store, name: str, companion: str | None = None, *,
+                         if_generation: str | None = None) -> bool:
     """Delete the one-file checkpoint ``name``, then the directory ``companion`` beside it
-    (the step's arrays), whatever it holds. The file is the step's commit point: it goes
-    first, conditionally on the generation read (:meth:`Store.delete_one_file`), so a
-    crash in between leaves a step that is not listed and arrays recovery can orphan, never
-    a listed step without its arrays. A companion that is a committed checkpoint is
-    deleted as one (its own commit point first); what is left below it then goes too.
+    (the step's arrays). The file is the step's commit point: it goes first, conditionally
+    on the generation read (:meth:`Store.delete_one_file`; with ``if_generation``, the one
+    the caller judged), so a crash in between leaves a step that is not listed and arrays
+    recovery can orphan, never a listed step without its arrays.
+
+    A companion that is a committed checkpoint is deleted as one (:meth:`Store.delete`:
+    its commit point first, at the generation read), and nothing else: one that another
+    writer committed after that delete is that writer's. A companion that is no committed
+    checkpoint (flax's own arrays, or what a crash left) is a plain directory: its files
+    go, but never one of the store's own layout below it (an attempt in flight of a save
+    of that name, with a live lease: recovery judges those by their leases), and on an
+    object store each at the generation listed (a file replaced meanwhile stays).
 
     Returns False (and deletes nothing) if ``name`` was replaced meanwhile by another
     writer: not the step the caller judged. A ``name`` that is no file (missing, or a
     checkpoint of the directory layout, which is left alone) does not stop the
     companion's delete."""
     try:
-        store.delete_one_file(name)
+        store.delete_one_file(name, if_generation=if_generation)
     except PreconditionFailedError:
         return False
     except (NotFoundError, InvalidArgumentError, CorruptionError):
@@ -81,12 +90,33 @@ def delete_one_file_step(store: Store, name: str, companion: str | None = None) 
     if committed:
         try:
             store.delete(companion)
-        except (NotFoundError, PreconditionFailedError, CorruptionError):
-            pass  # deleted or replaced meanwhile, or unreadable: its files go below
-    d = store.driver
-    if d.exists(companion) or d.listdir(companion):
-        d.delete_tree(companion)
+            return True
+        except (NotFoundError, PreconditionFailedError):
+            return True  # deleted, or replaced meanwhile by another writer's commit: theirs
+        except CorruptionError:
+            pass  # its commit point is unreadable: its files go below, as a directory's
+    _delete_directory(store, companion)
     return True
+
+
+def _delete_directory(store: Store, prefix: str) -> None:
+    """Delete the files below ``prefix``, a directory that is no committed checkpoint,
+    but none of the store's own layout (see :func:`delete_one_file_step`)."""
+    d = store.driver
+    if d.capabilities.atomic_rename:
+        # rename backends stage in the reserved directory, never below a name, and a
+        # commit cannot rename onto a directory that exists: the tree is not in flight
+        if d.exists(prefix) or d.listdir(prefix):
+            d.delete_tree(prefix)
+        return
+    found = d.find(prefix)
+    for key, info in found.items():
+        if store.strategy.classify(key, listing=found).kind is not KeyKind.FOREIGN:
+            continue  # an attempt of a save of that name, or its commit point: not ours
+        try:
+            d.delete(key, if_generation=info.generation)
+        except (NotFoundError, PreconditionFailedError):
+            pass  # gone, or replaced meanwhile: not the file listed
 
 
 __all__ = ["delete_one_file_step", "is_attempt_prefix", "open_attempt_file"]

@@ -374,11 +374,22 @@ def _remove_invalid(st: Store, name: str, prefix: str, keep: int, overwrite: boo
             last_kept = s
             continue
         doomed.append(old)
+    # the generations judged, read before any delete: a step another writer replaced
+    # after this is not the step retention judged, and is kept
+    judged = {old: _generation_of(st, old) for old in doomed}
     for old in doomed:
         log.info("removing checkpoint %s", st.driver.describe(old))
-        # the main file is the commit point: un-published first, at the generation read
-        # (one replaced meanwhile by another writer is not the step retention judged: kept)
-        delete_one_file_step(st, old, old + MP_ARRAY_POSTFIX)
+        # the main file is the commit point: un-published first, at the generation judged
+        delete_one_file_step(st, old, old + MP_ARRAY_POSTFIX, if_generation=judged[old])
+
+
+def _generation_of(st: Store, name: str) -> str | None:
+    """The generation of the one-file checkpoint ``name`` now (None: no such file, or a
+    backend without generations; the delete then reads its own)."""
+    try:
+        return st.driver.info(name).generation
+    except AtomicStoreError:
+        return None
 
 
 def save_checkpoint_multiprocess(

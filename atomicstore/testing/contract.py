@@ -229,6 +229,18 @@ class DriverContract:
         driver.put("t/g", b"second, longer")
         assert driver.info("t/g").generation != first
 
+    def test_a_conditional_overwrite_moves_the_modification_time_forward(self, driver: Driver) -> None:
+        # a lease is live while its object was written within ttl + grace, by the object's
+        # own modification time: each renewal (a conditional overwrite) must move it
+        # forward, or recovery fences a writer that is alive
+        driver.put("t/lease", b"1")
+        first = driver.info("t/lease")
+        time.sleep(1.1)  # mtimes of one-second resolution (S3's Last-Modified)
+        driver.put("t/lease", b"2", if_generation=first.generation)
+        second = driver.info("t/lease").mtime
+        assert first.mtime is not None and second is not None
+        assert second > first.mtime + 0.5, "a rewritten object keeps its old modification time"
+
     def test_ranged_reads(self, driver: Driver) -> None:
         data = payload(10_000, seed=2)
         driver.put("t/r.bin", data)
