@@ -791,10 +791,14 @@ class DriverContract:
         corrupted = bytearray(data)
         corrupted[54_321] ^= 0x10
         store.driver.put(ckpt.key("dir/bad.bin"), bytes(corrupted))
-        with pytest.raises(ChecksumMismatchError, match="bad.bin"):
+        with pytest.raises(ChecksumMismatchError, match="bad.bin") as info:
             store.verify("c")
+        assert info.value.path == "dir/bad.bin"
         with pytest.raises(ChecksumMismatchError, match="bad.bin"):
             store.read_bytes("c", "dir/bad.bin")
+        with pytest.raises(ChecksumMismatchError, match="bad.bin"), store.open("c").open("dir/bad.bin") as f:
+            while f.read(4096):
+                pass
         assert store.read_bytes("c", "good.bin") == b"fine"
 
     def test_store_recovery_removes_an_abandoned_attempt(self, store: Store, open_store: Callable[..., Store]) -> None:

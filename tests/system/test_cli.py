@@ -12,10 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import make_backend
-from test_sharded_format import GRID, Sharded, W, build
 
 import atomicstore
 from atomicstore.compat import flax as ck
+
+# the builder of sharded checkpoints of the pytree layer's tests (another folder)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pytree"))
+from test_sharded_format import GRID, Sharded, W, build  # noqa: E402
 
 
 def cli(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
