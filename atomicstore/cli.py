@@ -321,6 +321,18 @@ def _tries(what: str, fn: Callable[[], Any]) -> Any:
 # -- commands ----------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace, out: _Out) -> int:
     st = _open(args.url, args.options)
+    rows = _ls_rows(st)
+    doc: dict[str, Any] = {"store": st.url, "checkpoints": rows}
+    if args.all:
+        rep = st.recover(dry_run=True, flax_prefix=args.flax_prefix)
+        doc["uncommitted"] = [{"target": a.target, "kind": a.kind, "why": a.reason} for a in rep.actions]
+        doc["in_flight"] = list(rep.in_flight)
+    out.emit(doc, lambda: _print_ls(st.url, doc, show_all=args.all))
+    return EXIT_OK
+
+
+def _ls_rows(st: Store) -> list[dict[str, Any]]:
+    """``ls``'s rows: the committed checkpoints (damaged ones too), then the flax files."""
     rows: list[dict[str, Any]] = []
     names = st.list()
     for name in names:
@@ -340,34 +352,30 @@ def cmd_ls(args: argparse.Namespace, out: _Out) -> int:
             continue  # deleted since the listing
         rows.append({"name": name, "step": _step(name), "kind": "flax file", "bytes": info.size, "files": 1,
                      "committed": info.mtime})
-    doc: dict[str, Any] = {"store": st.url, "checkpoints": rows}
-    if args.all:
-        rep = st.recover(dry_run=True, flax_prefix=args.flax_prefix)
-        doc["uncommitted"] = [{"target": a.target, "kind": a.kind, "why": a.reason} for a in rep.actions]
-        doc["in_flight"] = list(rep.in_flight)
+    return rows
 
-    def human() -> None:
-        if not rows:
-            print(f"no committed checkpoints in {st.url}")
-        else:
-            print(f"{'NAME':32} {'STEP':>10} {'SIZE':>11} {'FILES':>6} {'AGE':>7}  KIND")
-            for r in rows:
-                if r["kind"] == "damaged":
-                    print(f"{r['name']:32} {r['step'] or '-':>10} {'?':>11} {'?':>6} {'?':>7}  "
-                          f"damaged: {r['why']}")
-                    continue
-                print(f"{r['name']:32} {r['step'] or '-':>10} {_size(r['bytes']):>11} {r['files']:>6} "
-                      f"{_age(r['committed']):>7}  {r['kind']}")
-        if args.all:
-            for u in doc["uncommitted"]:
-                print(f"uncommitted: {u['target']}  ({u['kind']}: {u['why']})")
-            for t in doc["in_flight"]:
-                print(f"in flight (a live writer, or too recent to call stale): {t}")
-            if not doc["uncommitted"] and not doc["in_flight"]:
-                print("nothing uncommitted")
 
-    out.emit(doc, human)
-    return EXIT_OK
+def _print_ls(url: str, doc: dict[str, Any], *, show_all: bool) -> None:
+    """``ls`` for people: ``doc`` as :func:`cmd_ls` emits it."""
+    rows = doc["checkpoints"]
+    if not rows:
+        print(f"no committed checkpoints in {url}")
+    else:
+        print(f"{'NAME':32} {'STEP':>10} {'SIZE':>11} {'FILES':>6} {'AGE':>7}  KIND")
+        for r in rows:
+            if r["kind"] == "damaged":
+                print(f"{r['name']:32} {r['step'] or '-':>10} {'?':>11} {'?':>6} {'?':>7}  "
+                      f"damaged: {r['why']}")
+                continue
+            print(f"{r['name']:32} {r['step'] or '-':>10} {_size(r['bytes']):>11} {r['files']:>6} "
+                  f"{_age(r['committed']):>7}  {r['kind']}")
+    if show_all:
+        for u in doc["uncommitted"]:
+            print(f"uncommitted: {u['target']}  ({u['kind']}: {u['why']})")
+        for t in doc["in_flight"]:
+            print(f"in flight (a live writer, or too recent to call stale): {t}")
+        if not doc["uncommitted"] and not doc["in_flight"]:
+            print("nothing uncommitted")
 
 
 def _first_line(msg: str) -> str:
@@ -548,10 +556,7 @@ def cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
 
 
 def _inspect(st: Store, name: str, kind: str, out: _Out) -> int:
-    import math
-
     from .pytree.format import INDEX_FILE, STATE_FILE, parse_index
-    from .pytree.tree import path_str
 
     meta: dict[str, Any] = {}
     if kind == NATIVE:
@@ -571,48 +576,57 @@ def _inspect(st: Store, name: str, kind: str, out: _Out) -> int:
             raise
     else:  # every range from the version first read
         idx = _OneFile(st, name).index()
-    leaves: list[dict[str, Any]] = []
-    for lf in idx.leaves.values():
-        nbytes = sum(n for _, n, _ in lf.ranges) if lf.kind in ("nd", "ndc", "sc") else None
-        leaf: dict[str, Any] = {"path": path_str(lf.path), "dtype": None if lf.dtype is None else lf.dtype.name,
-                                "shape": list(lf.shape) if lf.dtype is not None else None, "bytes": nbytes,
-                                "kind": lf.kind}
-        if lf.kind == "sh":  # sharded across processes: its bytes are in its shard files
-            assert lf.dtype is not None
-            item = lf.dtype.itemsize
-            leaf["bytes"] = lf.nbytes
-            leaf["shards"] = [{"file": s.file, "start": list(s.start), "shape": list(s.shape),
-                               "bytes": math.prod(s.shape) * item} for s in lf.value]
-        leaves.append(leaf)
+    leaves = [_leaf_row(lf) for lf in idx.leaves.values()]
     total = sum(lf["bytes"] or 0 for lf in leaves)
-    sharded = [lf for lf in leaves if lf["kind"] == "sh"]
     doc = {"name": name, "kind": kind, "leaves": leaves, "total_bytes": total, "metadata": meta}
-
-    def human() -> None:
-        print(f"{name} ({kind}): {len(leaves)} leaves, {_size(total)} of arrays"
-              + (f", {len(sharded)} sharded across processes" if sharded else ""))
-        w = max([len(lf["path"]) for lf in leaves] + [4])
-        for lf in leaves:
-            shape = "" if lf["shape"] is None else "(" + ", ".join(map(str, lf["shape"])) + ")"
-            line = (f"  {lf['path']:{w}}  {lf['dtype'] or lf['kind']:>10} {shape:>18} "
-                    f"{_size(lf['bytes']) if lf['bytes'] is not None else '':>10}")
-            if lf["kind"] != "sh":
-                print(line)
-                continue
-            n = len(lf["shards"])
-            print(f"{line}  sharded, {n} shard{'s' if n != 1 else ''}:")
-            shown = lf["shards"][:SHOW_SHARDS]
-            fw = max(len(s["file"]) for s in shown) if shown else 0
-            sw = max(len(_span(s["start"], s["shape"])) for s in shown) if shown else 0
-            for s in shown:
-                print(f"      {s['file']:{fw}}  {_span(s['start'], s['shape']):{sw}}  {_size(s['bytes'])}")
-            if n > SHOW_SHARDS:
-                print(f"      ... and {n - SHOW_SHARDS} more (--json lists them all)")
-        if meta:
-            print("metadata: " + json.dumps(meta, default=str))
-
-    out.emit(doc, human)
+    out.emit(doc, lambda: _print_inspect(doc))
     return EXIT_OK
+
+
+def _leaf_row(lf: Any) -> dict[str, Any]:
+    """``inspect``'s row of one leaf of a pytree checkpoint's index."""
+    import math
+
+    from .pytree.tree import path_str
+
+    nbytes = sum(n for _, n, _ in lf.ranges) if lf.kind in ("nd", "ndc", "sc") else None
+    leaf: dict[str, Any] = {"path": path_str(lf.path), "dtype": None if lf.dtype is None else lf.dtype.name,
+                            "shape": list(lf.shape) if lf.dtype is not None else None, "bytes": nbytes,
+                            "kind": lf.kind}
+    if lf.kind == "sh":  # sharded across processes: its bytes are in its shard files
+        assert lf.dtype is not None
+        item = lf.dtype.itemsize
+        leaf["bytes"] = lf.nbytes
+        leaf["shards"] = [{"file": s.file, "start": list(s.start), "shape": list(s.shape),
+                           "bytes": math.prod(s.shape) * item} for s in lf.value]
+    return leaf
+
+
+def _print_inspect(doc: dict[str, Any]) -> None:
+    """``inspect`` for people: ``doc`` as :func:`_inspect` emits it."""
+    name, kind, leaves, meta = doc["name"], doc["kind"], doc["leaves"], doc["metadata"]
+    sharded = [lf for lf in leaves if lf["kind"] == "sh"]
+    print(f"{name} ({kind}): {len(leaves)} leaves, {_size(doc['total_bytes'])} of arrays"
+          + (f", {len(sharded)} sharded across processes" if sharded else ""))
+    w = max([len(lf["path"]) for lf in leaves] + [4])
+    for lf in leaves:
+        shape = "" if lf["shape"] is None else "(" + ", ".join(map(str, lf["shape"])) + ")"
+        line = (f"  {lf['path']:{w}}  {lf['dtype'] or lf['kind']:>10} {shape:>18} "
+                f"{_size(lf['bytes']) if lf['bytes'] is not None else '':>10}")
+        if lf["kind"] != "sh":
+            print(line)
+            continue
+        n = len(lf["shards"])
+        print(f"{line}  sharded, {n} shard{'s' if n != 1 else ''}:")
+        shown = lf["shards"][:SHOW_SHARDS]
+        fw = max(len(s["file"]) for s in shown) if shown else 0
+        sw = max(len(_span(s["start"], s["shape"])) for s in shown) if shown else 0
+        for s in shown:
+            print(f"      {s['file']:{fw}}  {_span(s['start'], s['shape']):{sw}}  {_size(s['bytes'])}")
+        if n > SHOW_SHARDS:
+            print(f"      ... and {n - SHOW_SHARDS} more (--json lists them all)")
+    if meta:
+        print("metadata: " + json.dumps(meta, default=str))
 
 
 def cmd_cp(args: argparse.Namespace, out: _Out) -> int:

@@ -475,19 +475,7 @@ class CheckpointManager:
         candidates = [s for s in steps if s not in drop and not metas[s].get("milestone")
                       and not metas[s].get("ephemeral")]
         if self.best_fn is not None:
-            def score(s: Step) -> float:
-                try:
-                    raw = self.best_fn(metas[s].get("metrics") or {})  # type: ignore[misc]
-                    try:
-                        v = float(raw)
-                    except OverflowError:  # an int beyond a float's range (10**400): still ordered
-                        v = math.inf if raw > 0 else -math.inf
-                except Exception:  # noqa: BLE001 - no usable metric: worst
-                    return -math.inf
-                if math.isnan(v):  # (no order: it would make the ranking arbitrary)
-                    return -math.inf
-                return v if self.best_mode == "max" else -v
-            ranked = sorted(candidates, key=lambda s: (score(s), natural_key(str(s))), reverse=True)
+            ranked = sorted(candidates, key=lambda s: (self._score(metas[s]), natural_key(str(s))), reverse=True)
             keep = set(ranked[: self.keep])
         else:
             keep = set(candidates[-self.keep:])
@@ -499,6 +487,25 @@ class CheckpointManager:
                 last_kept = s
                 continue
             drop.add(s)
+        self._delete_dropped(drop, metas, reused)
+
+    def _score(self, meta: dict[str, Any]) -> float:
+        """A checkpoint's rank by ``best_fn`` of its metrics (higher is better); the
+        worst when it has no usable metric."""
+        try:
+            raw = self.best_fn(meta.get("metrics") or {})  # type: ignore[misc]
+            try:
+                v = float(raw)
+            except OverflowError:  # an int beyond a float's range (10**400): still ordered
+                v = math.inf if raw > 0 else -math.inf
+        except Exception:  # noqa: BLE001 - no usable metric: worst
+            return -math.inf
+        if math.isnan(v):  # (no order: it would make the ranking arbitrary)
+            return -math.inf
+        return v if self.best_mode == "max" else -v
+
+    def _delete_dropped(self, drop: set[Step], metas: dict[Step, dict[str, Any]], reused: dict[Step, str]) -> None:
+        """Delete the checkpoints retention dropped, oldest first."""
         for s in sorted(drop, key=lambda s: natural_key(str(s))):
             if s in reused:  # judged from remembered metadata: never delete what cannot be read now
                 fresh = self._read_metadata(s, reused[s], fallback=False)

@@ -128,18 +128,7 @@ class MarkerStrategy(CommitStrategy):
         keep = False
         try:
             self._put_manifest(name, attempt, manifest)
-            try:  # before the commit point: on any error the attempt is discarded
-                one_file: Future[bool] | None = None
-                if claim is not None:
-                    claim.hold()  # (held by another writer of this name: waits)
-                    one_file = d.background(lambda: self.is_file(name))  # with the lease check
-                if check:
-                    check()
-                if one_file is not None and (self.is_file(name) if one_file.cancel() else one_file.result()):
-                    raise self.native_over_one_file(name)
-            except BaseException:
-                self.discard(name, attempt)
-                raise
+            self._before_commit_point(name, attempt, check, claim)
             if claim is not None:
                 claim.confirm()  # not paused past the lease since its check (no request)
             try:
@@ -164,6 +153,24 @@ class MarkerStrategy(CommitStrategy):
                     released.result()
         if old is not None and old.attempt != attempt:
             self._cleanup(self._prefix(name, old.attempt))  # the replaced checkpoint's data
+
+    def _before_commit_point(self, name: str, attempt: str, check: Callable[[], None] | None,
+                             claim: NameClaim | None) -> None:
+        """Hold the name's claim, check the lease and that no one-file checkpoint took the
+        name; on any error the attempt is discarded."""
+        d = self.driver
+        try:  # before the commit point: on any error the attempt is discarded
+            one_file: Future[bool] | None = None
+            if claim is not None:
+                claim.hold()  # (held by another writer of this name: waits)
+                one_file = d.background(lambda: self.is_file(name))  # with the lease check
+            if check:
+                check()
+            if one_file is not None and (self.is_file(name) if one_file.cancel() else one_file.result()):
+                raise self.native_over_one_file(name)
+        except BaseException:
+            self.discard(name, attempt)
+            raise
 
     def _commit_point(self, name: str, attempt: str, writer: str, manifest: bytes, old: Marker | None,
                       gen: str | None, check: Callable[[], None] | None) -> tuple[Settled, str | None]:

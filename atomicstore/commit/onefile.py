@@ -45,7 +45,7 @@ from ..errors import (
     TransactionError,
 )
 from . import conformance
-from .claim import CLAIMS, ClaimHolder, claim_key, parse_claim_key, read_claim
+from .claim import CLAIMS, ClaimHolder, NameClaim, claim_key, parse_claim_key, read_claim
 from .context import CommitContext
 from .names import validate_name
 from .strategies import STAGING, new_attempt_id
@@ -191,32 +191,8 @@ class OneFileCommit:
         if self._done:
             raise TransactionError(f"{self.name!r} is already committed or aborted")
         self._done = True
-        d = self.context.driver
-        replaced = False
         try:
-            if self.staged:
-                self._w.close()  # durable (fsync)
-                self._lease.check()
-                generation = d.info(self.key).generation  # (rename and exchange keep it)
-                replaced = self._swap_in()
-            elif self._claim is None:
-                self._lease.check()
-                self._w.close()  # the upload completes, if the precondition holds
-                generation = self._w.generation
-            else:
-                try:
-                    if not self._hooked:
-                        self._before_complete()
-                    self._w.close()  # (the claim is taken right before the completing request)
-                except AlreadyExistsError:
-                    self._claim.release()  # refused: nothing of ours can land any more
-                    raise
-                except BaseException:
-                    if not self._requested:  # (else it stays with the lease: below)
-                        self._claim.release()
-                    raise
-                self._claim.release()
-                generation = self._w.generation
+            generation, replaced = self._complete()
         except LeaseLostError:  # (a CommitConflictError: caught first)
             self._cleanup()
             raise
@@ -226,26 +202,69 @@ class OneFileCommit:
                 raise self._layout_error from None
             raise self._conflict() from None
         except NotFoundError:
-            if self.staged:  # the staged file vanished: recovery claimed it, fencing our lease
-                try:
-                    self._lease.check()  # LeaseLostError, the real reason
-                finally:
-                    self._cleanup()
+            self._on_vanished()
             raise
         except BaseException:
-            if self.staged:
-                self._lease.stop()  # ambiguous: recovery waits for the lease to expire
-            elif self._requested:
-                # The commit request was sent and may still land (a timeout, a lost reply
-                # then no more retries): abort the upload (a completion that comes after it
-                # fails), and keep the lease and the claim, so that no other save of the
-                # name checks and commits before the lease is dead (ttl + grace).
-                with contextlib.suppress(Exception):
-                    self._w.abort()
-                self._lease.stop()
-            else:
-                self._cleanup()  # an unfinished upload is invisible: abort it
+            self._on_failure()
             raise
+        self._finish(generation, replaced)
+
+    def _complete(self) -> tuple[str | None, bool]:
+        """The commit point, by staging rename, by a conditional upload, or under the
+        name's claim: (the file's generation, whether it replaced an older file)."""
+        if self.staged:
+            self._w.close()  # durable (fsync)
+            self._lease.check()
+            generation = self.context.driver.info(self.key).generation  # (rename and exchange keep it)
+            return generation, self._swap_in()
+        if self._claim is None:
+            self._lease.check()
+            self._w.close()  # the upload completes, if the precondition holds
+            return self._w.generation, False
+        return self._complete_claimed(self._claim), False
+
+    def _complete_claimed(self, claim: NameClaim) -> str | None:
+        """Complete the upload under the name's claim; the file's generation."""
+        try:
+            if not self._hooked:
+                self._before_complete()
+            self._w.close()  # (the claim is taken right before the completing request)
+        except AlreadyExistsError:
+            claim.release()  # refused: nothing of ours can land any more
+            raise
+        except BaseException:
+            if not self._requested:  # (else it stays with the lease: below)
+                claim.release()
+            raise
+        claim.release()
+        return self._w.generation
+
+    def _on_vanished(self) -> None:
+        """The commit found its file gone (NotFoundError)."""
+        if self.staged:  # the staged file vanished: recovery claimed it, fencing our lease
+            try:
+                self._lease.check()  # LeaseLostError, the real reason
+            finally:
+                self._cleanup()
+
+    def _on_failure(self) -> None:
+        """Any other error of the commit: clean up what is provably not landing."""
+        if self.staged:
+            self._lease.stop()  # ambiguous: recovery waits for the lease to expire
+        elif self._requested:
+            # The commit request was sent and may still land (a timeout, a lost reply
+            # then no more retries): abort the upload (a completion that comes after it
+            # fails), and keep the lease and the claim, so that no other save of the
+            # name checks and commits before the lease is dead (ttl + grace).
+            with contextlib.suppress(Exception):
+                self._w.abort()
+            self._lease.stop()
+        else:
+            self._cleanup()  # an unfinished upload is invisible: abort it
+
+    def _finish(self, generation: str | None, replaced: bool) -> None:
+        """After the commit point: drop the replaced file, release the lease."""
+        d = self.context.driver
         self.generation = generation
         if replaced:  # the old file now sits at the staging key
             try:

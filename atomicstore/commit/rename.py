@@ -82,43 +82,8 @@ class RenameStrategy(CommitStrategy):
         d = self.driver
         staging = self._staging(name, attempt)
         try:
-            w = d.open_writer(f"{staging}/{MANIFEST_FILE}")
-            try:
-                w.write(manifest)
-                w.close()  # fsync of the manifest
-            except BaseException:
-                w.abort()
-                raise
-            if d.capabilities.durable_fsync:
-                files = list(Manifest.from_bytes(manifest, where="staged manifest").files)
-                for sub in parent_dirs(files):
-                    d.fsync_dir(f"{staging}/{sub}")
-                d.fsync_dir(staging)
-            replaced = False
-            if not overwrite:
-                if check:
-                    check()
-                try:
-                    d.rename(staging, name)  # the commit point (fails if recovery claimed staging)
-                except AlreadyExistsError:
-                    with d.lock():  # an empty directory (a user's mkdir) is taken over
-                        if not self.empty_dir(name):
-                            raise
-                        replaced = self._take_over_empty(staging, name)
-            else:
-                if check:  # (outside the store lock: a lease renewal takes it on POSIX)
-                    check()
-                with d.lock():  # nobody else deletes or overwrites in between
-                    found = self.current(name)
-                    if found != expected:
-                        raise AlreadyExistsError(f"{name}: generation {found}, expected {expected}")
-                    if expected is None and self.empty_dir(name):
-                        replaced = self._take_over_empty(staging, name)
-                    elif expected is None:
-                        d.rename(staging, name)  # the commit point
-                    else:
-                        d.exchange(staging, name)  # the commit point of an overwrite
-                        replaced = True
+            self._stage_manifest(staging, manifest)
+            replaced = self._swap(staging, name, overwrite=overwrite, expected=expected, check=check)
         except LeaseLostError:
             self.discard(name, attempt)
             raise
@@ -142,6 +107,54 @@ class RenameStrategy(CommitStrategy):
             d.fsync_dir("")
         if replaced:  # the replaced checkpoint now sits at the staging name
             self._cleanup(staging)
+
+    def _stage_manifest(self, staging: str, manifest: bytes) -> None:
+        """Write the manifest into the staging directory, and make the directory durable."""
+        d = self.driver
+        w = d.open_writer(f"{staging}/{MANIFEST_FILE}")
+        try:
+            w.write(manifest)
+            w.close()  # fsync of the manifest
+        except BaseException:
+            w.abort()
+            raise
+        if d.capabilities.durable_fsync:
+            files = list(Manifest.from_bytes(manifest, where="staged manifest").files)
+            for sub in parent_dirs(files):
+                d.fsync_dir(f"{staging}/{sub}")
+            d.fsync_dir(staging)
+
+    def _swap(self, staging: str, name: str, *, overwrite: bool, expected: str | None,
+              check: Callable[[], None] | None) -> bool:
+        """Rename the staging directory onto ``name``: the commit point. True if it
+        replaced a checkpoint (or an empty directory), which then sits at the staging name."""
+        d = self.driver
+        replaced = False
+        if not overwrite:
+            if check:
+                check()
+            try:
+                d.rename(staging, name)  # the commit point (fails if recovery claimed staging)
+            except AlreadyExistsError:
+                with d.lock():  # an empty directory (a user's mkdir) is taken over
+                    if not self.empty_dir(name):
+                        raise
+                    replaced = self._take_over_empty(staging, name)
+        else:
+            if check:  # (outside the store lock: a lease renewal takes it on POSIX)
+                check()
+            with d.lock():  # nobody else deletes or overwrites in between
+                found = self.current(name)
+                if found != expected:
+                    raise AlreadyExistsError(f"{name}: generation {found}, expected {expected}")
+                if expected is None and self.empty_dir(name):
+                    replaced = self._take_over_empty(staging, name)
+                elif expected is None:
+                    d.rename(staging, name)  # the commit point
+                else:
+                    d.exchange(staging, name)  # the commit point of an overwrite
+                    replaced = True
+        return replaced
 
     def _not_a_checkpoint(self, name: str) -> AlreadyExistsError:
         """The refusal to write over ``name``, which exists and is no checkpoint: a file,

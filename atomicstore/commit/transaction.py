@@ -303,58 +303,70 @@ class Transaction:
                 raise TransactionError(
                     f"cannot commit {self.name!r}: files still open: {sorted(self._open)}"
                 )
-            manifest = Manifest(
-                name=self.name,
-                attempt=self.attempt,
-                writer=self.context.writer_id,
-                created=self.started,
-                files=dict(self._files),
-                metadata=self.metadata,
-                committed=time.time(),
-            )
-            try:
-                data = manifest.to_bytes()
-            except (TypeError, ValueError, RecursionError) as exc:  # metadata changed since
-                raise InvalidArgumentError(f"cannot commit {self.name!r}: metadata is no longer "
-                                           f"JSON ({exc})") from None
-            if len(data) > MAX_MANIFEST_BYTES:  # (the transaction stays open, to be aborted)
-                raise InvalidArgumentError(
-                    f"cannot commit {self.name!r}: its manifest would take {len(data):,} bytes "
-                    f"({len(self._files):,} files), over the {MAX_MANIFEST_BYTES:,} readers accept"
-                )
-            lease_check = self._lease.check
-
-            def checks() -> None:
-                lease_check()
-                if check is not None:
-                    check()
-
-            try:
-                # publish cleans up after itself where that is provably safe; it checks
-                # the lease (a writer declared dead must not commit) after writing the
-                # manifest, right before the commit point
-                self.context.strategy.publish(
-                    self.name, self.attempt, self.context.writer_id, data, overwrite=self.overwrite,
-                    expected=self.expected, check=checks, claim=self._claim,
-                )
-            except AlreadyExistsError:  # refused at the commit point (another writer won,
-                # or a one-file checkpoint of the name appeared): nothing was published
-                self._state = _State.ABORTED
-                self.context.strategy.discard(self.name, self.attempt)
-                self._lease.release()
-                raise
-            except BaseException:
-                # Maybe ambiguous (the commit point may still land): keep the lease object
-                # so recovery waits ttl + grace before it removes this attempt's data.
-                self._state = _State.ABORTED
-                self._lease.stop()
-                raise
+            manifest, data = self._encode_manifest()
+            self._publish(data, check)
             self._state = _State.COMMITTED
             self.manifest = manifest
             self._lease.release()
         log.info("committed %s (%d files, %d bytes)", self.context.driver.describe(self.name),
                  len(manifest.files), manifest.total_bytes)
         return manifest
+
+    def _encode_manifest(self) -> tuple[Manifest, bytes]:
+        """The manifest of what was written, and its bytes; InvalidArgumentError (nothing
+        changed, the transaction stays open) if it cannot be published."""
+        manifest = Manifest(
+            name=self.name,
+            attempt=self.attempt,
+            writer=self.context.writer_id,
+            created=self.started,
+            files=dict(self._files),
+            metadata=self.metadata,
+            committed=time.time(),
+        )
+        try:
+            data = manifest.to_bytes()
+        except (TypeError, ValueError, RecursionError) as exc:  # metadata changed since
+            raise InvalidArgumentError(f"cannot commit {self.name!r}: metadata is no longer "
+                                       f"JSON ({exc})") from None
+        if len(data) > MAX_MANIFEST_BYTES:  # (the transaction stays open, to be aborted)
+            raise InvalidArgumentError(
+                f"cannot commit {self.name!r}: its manifest would take {len(data):,} bytes "
+                f"({len(self._files):,} files), over the {MAX_MANIFEST_BYTES:,} readers accept"
+            )
+        return manifest, data
+
+    def _publish(self, data: bytes, check: Callable[[], None] | None) -> None:
+        """Publish the manifest ``data`` through the strategy (the commit point); on an
+        error the transaction is aborted, its lease released or, if the commit point may
+        still land, kept."""
+        lease_check = self._lease.check
+
+        def checks() -> None:
+            lease_check()
+            if check is not None:
+                check()
+
+        try:
+            # publish cleans up after itself where that is provably safe; it checks
+            # the lease (a writer declared dead must not commit) after writing the
+            # manifest, right before the commit point
+            self.context.strategy.publish(
+                self.name, self.attempt, self.context.writer_id, data, overwrite=self.overwrite,
+                expected=self.expected, check=checks, claim=self._claim,
+            )
+        except AlreadyExistsError:  # refused at the commit point (another writer won,
+            # or a one-file checkpoint of the name appeared): nothing was published
+            self._state = _State.ABORTED
+            self.context.strategy.discard(self.name, self.attempt)
+            self._lease.release()
+            raise
+        except BaseException:
+            # Maybe ambiguous (the commit point may still land): keep the lease object
+            # so recovery waits ttl + grace before it removes this attempt's data.
+            self._state = _State.ABORTED
+            self._lease.stop()
+            raise
 
     def abort(self) -> None:
         """Discard everything written; nothing becomes visible. Idempotent.

@@ -729,39 +729,11 @@ def _decode(buf: bytearray, s: _Stream, leaf: str) -> Any:
     ``buf`` (no copy), dtype and shape checked against the data, no unknown ext types."""
     mv = memoryview(buf)
 
-    def source(base: int, size: int) -> mp.Source:
-        return mp.Source(lambda a, z: bytes(mv[base + a : base + z]), size)
-
-    def array(code: int, span: mp.Span) -> Any:
-        size = span.end - span.start
-        val, end = mp.scan(source(span.start, size), on_ext=_no_ext)
-        if end != size or not (isinstance(val, list) and len(val) == 3):
-            raise _corrupt(s, f"leaf {leaf}: an array is not encoded as (shape, dtype, data)", leaf)
-        dt, shape, count = _dtype_shape(val[1], val[0], s, leaf)
-        data = val[2]
-        nbytes = (data.end - data.start) if isinstance(data, mp.Span) else len(data) if isinstance(data, bytes) else -1
-        if nbytes != count * dt.itemsize:
-            raise _corrupt(s, f"leaf {leaf}: {nbytes} data bytes for shape {shape} of {dt}", leaf)
-        if count == 0:
-            arr = np.empty(shape, dt)
-        elif isinstance(data, mp.Span):
-            arr = np.frombuffer(buf, dtype=dt, count=count, offset=span.start + data.start).reshape(shape)
-            if not arr.flags.aligned:
-                arr = arr.copy()
-        else:
-            arr = np.frombuffer(data, dtype=dt, count=count).reshape(shape).copy()
-        return arr[()] if code == EXT_NPSCALAR else arr
-
     def on_ext(code: int, span: mp.Span) -> Any:
         if code in (EXT_NDARRAY, EXT_NPSCALAR):
-            return array(code, span)
+            return _decode_array(buf, mv, code, span, s, leaf)
         if code == EXT_COMPLEX:
-            val, end = mp.scan(source(span.start, span.end - span.start), on_ext=_no_ext)
-            if end != span.end - span.start or not (
-                    isinstance(val, list) and len(val) == 2
-                    and all(type(x) in (int, float) for x in val)):
-                raise _corrupt(s, f"leaf {leaf}: a complex number is not encoded as (real, imag)", leaf)
-            return complex(val[0], val[1])
+            return _decode_complex(mv, span, s, leaf)
         raise _corrupt(s, f"leaf {leaf}: unknown msgpack ext type {code} (flax writes 1, 2 and 3)", leaf)
 
     def finish(v: Any) -> Any:
@@ -775,7 +747,7 @@ def _decode(buf: bytearray, s: _Stream, leaf: str) -> Any:
         return v
 
     try:
-        val, end = mp.scan(source(0, len(buf)), on_ext=on_ext)
+        val, end = mp.scan(_source(mv, 0, len(buf)), on_ext=on_ext)
         if end != len(buf):
             raise _corrupt(s, f"leaf {leaf}: {len(buf) - end} bytes after its value", leaf)
         return finish(val)
@@ -785,6 +757,44 @@ def _decode(buf: bytearray, s: _Stream, leaf: str) -> Any:
         raise _corrupt(s, f"leaf {leaf}: {exc}", leaf) from None
     except (TypeError, ValueError, RecursionError) as exc:  # e.g. an array as a map key
         raise _corrupt(s, f"leaf {leaf}: cannot be decoded: {type(exc).__name__}: {exc}", leaf) from None
+
+
+def _source(mv: memoryview, base: int, size: int) -> mp.Source:
+    """The ``size`` bytes of ``mv`` from ``base``, for :func:`mp.scan`."""
+    return mp.Source(lambda a, z: bytes(mv[base + a : base + z]), size)
+
+
+def _decode_array(buf: bytearray, mv: memoryview, code: int, span: mp.Span, s: _Stream, leaf: str) -> Any:
+    """A numpy array (or scalar) ext value of ``buf`` (``mv``: its view) at ``span``: a view
+    of ``buf`` where it is aligned, dtype and shape checked against the data."""
+    size = span.end - span.start
+    val, end = mp.scan(_source(mv, span.start, size), on_ext=_no_ext)
+    if end != size or not (isinstance(val, list) and len(val) == 3):
+        raise _corrupt(s, f"leaf {leaf}: an array is not encoded as (shape, dtype, data)", leaf)
+    dt, shape, count = _dtype_shape(val[1], val[0], s, leaf)
+    data = val[2]
+    nbytes = (data.end - data.start) if isinstance(data, mp.Span) else len(data) if isinstance(data, bytes) else -1
+    if nbytes != count * dt.itemsize:
+        raise _corrupt(s, f"leaf {leaf}: {nbytes} data bytes for shape {shape} of {dt}", leaf)
+    if count == 0:
+        arr = np.empty(shape, dt)
+    elif isinstance(data, mp.Span):
+        arr = np.frombuffer(buf, dtype=dt, count=count, offset=span.start + data.start).reshape(shape)
+        if not arr.flags.aligned:
+            arr = arr.copy()
+    else:
+        arr = np.frombuffer(data, dtype=dt, count=count).reshape(shape).copy()
+    return arr[()] if code == EXT_NPSCALAR else arr
+
+
+def _decode_complex(mv: memoryview, span: mp.Span, s: _Stream, leaf: str) -> complex:
+    """A complex number ext value of ``mv`` at ``span``: (real, imag)."""
+    val, end = mp.scan(_source(mv, span.start, span.end - span.start), on_ext=_no_ext)
+    if end != span.end - span.start or not (
+            isinstance(val, list) and len(val) == 2
+            and all(type(x) in (int, float) for x in val)):
+        raise _corrupt(s, f"leaf {leaf}: a complex number is not encoded as (real, imag)", leaf)
+    return complex(val[0], val[1])
 
 
 def _unchunk(d: dict[str, Any], s: _Stream, leaf: str) -> Any:

@@ -217,13 +217,7 @@ class AsyncFsspecDriver(Driver):
             todo = spans[populated : len(futures)]
             if not populate or not todo:
                 return
-            pos, piece = 0, POPULATE_SLICE
-            while pos < step:
-                for a, k in todo:
-                    if pos < k:
-                        populate_pages(mv[a + pos : a + min(k, pos + piece)], piece)
-                pos += piece
-                piece = min(4 * piece, step)  # (the first bytes come first: small slices)
+            _populate_breadth_first(mv, todo, step)
             populated = len(futures)
 
         try:
@@ -246,11 +240,7 @@ class AsyncFsspecDriver(Driver):
             for f in futures:
                 f.cancel()
             raise
-        total = 0
-        for (_, k), got in zip(spans, counts, strict=True):
-            total += got
-            if got < k:
-                break  # the object ends here
+        total = _bytes_read(spans, counts)
         if not self.capabilities.native_generation_reads:
             self._still_at(key, generation)
         return total
@@ -482,3 +472,25 @@ class AsyncFsspecDriver(Driver):
                 pass
 
         return rm
+
+
+def _populate_breadth_first(mv: memoryview, todo: list[tuple[int, int]], step: int) -> None:
+    """Populate the pages of the spans ``todo`` of ``mv`` (offset, length; each at most
+    ``step``): breadth first, each span's next slice in turn, the order their bytes come in."""
+    pos, piece = 0, POPULATE_SLICE
+    while pos < step:
+        for a, k in todo:
+            if pos < k:
+                populate_pages(mv[a + pos : a + min(k, pos + piece)], piece)
+        pos += piece
+        piece = min(4 * piece, step)  # (the first bytes come first: small slices)
+
+
+def _bytes_read(spans: list[tuple[int, int]], counts: list[int]) -> int:
+    """How many bytes the ranged reads of ``spans`` got in a row (``counts``: each one's)."""
+    total = 0
+    for (_, k), got in zip(spans, counts, strict=True):
+        total += got
+        if got < k:
+            break  # the object ends here
+    return total

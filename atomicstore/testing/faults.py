@@ -543,28 +543,11 @@ class FaultInjector:
             return [body]
         fault = self._draw(environ)
         if fault == "error":
-            status, xml, js = self._ERRORS[self._rng.randrange(len(self._ERRORS))]
-            body = js.encode() if self.json_errors else xml
-            if environ.get("REQUEST_METHOD") == "HEAD":
-                body = b""
-            _consume(environ)
-            ctype = "application/json" if self.json_errors else "application/xml"
-            start_response(status, [("Content-Type", ctype), ("Content-Length", str(len(body)))])
-            return [body]
+            return self._error_answer(environ, start_response)
         if fault == "reset":
             _consume(environ)  # read (and ignore) the body so the socket holds no stray bytes
             self._drop(environ)
-        if is_conditional(environ) and not self.real_server:
-            with self._conditional:
-                refused = self._complete_precondition(environ)
-                if refused is not None:
-                    _consume(environ)
-                    result = refused
-                else:
-                    result = _run(self.app, environ)
-                    self._note_completion(environ, result[0], result[2])
-        else:
-            result = _run(self.app, environ)
+        result = self._forward(environ)
         if self.s3 and environ.get("REQUEST_METHOD") == "DELETE" and result[0].startswith("204"):
             deleted = object_key(environ)
             if deleted is not None and "uploadId" not in query(environ):
@@ -575,6 +558,31 @@ class FaultInjector:
         status, headers, body = result
         start_response(status, headers)
         return [body]
+
+    def _error_answer(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        """An injected error answer (one of :attr:`_ERRORS`), the request not forwarded."""
+        status, xml, js = self._ERRORS[self._rng.randrange(len(self._ERRORS))]
+        body = js.encode() if self.json_errors else xml
+        if environ.get("REQUEST_METHOD") == "HEAD":
+            body = b""
+        _consume(environ)
+        ctype = "application/json" if self.json_errors else "application/xml"
+        start_response(status, [("Content-Type", ctype), ("Content-Length", str(len(body)))])
+        return [body]
+
+    def _forward(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+        """The app's answer to the request; a conditional one is decided here first when
+        the app does not enforce preconditions itself."""
+        if is_conditional(environ) and not self.real_server:
+            with self._conditional:
+                refused = self._complete_precondition(environ)
+                if refused is not None:
+                    _consume(environ)
+                    return refused
+                result = _run(self.app, environ)
+                self._note_completion(environ, result[0], result[2])
+                return result
+        return _run(self.app, environ)
 
 
 def _consume(environ: dict[str, Any]) -> None:

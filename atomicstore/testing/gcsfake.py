@@ -207,17 +207,20 @@ class GCSFake:
         if m == "GET":
             return self._get(req, bucket, name, q, media=(kind == "download" or q.get("alt") == "media"))
         if m == "DELETE":
-            with self.lock:
-                objs = self.buckets.get(bucket, {})
-                obj = objs.get(name)
-                if obj is None:
-                    return self._error(404, "No such object")
-                failed = precondition_failure(obj, q)
-                if failed:
-                    return self._not_met(failed)
-                del objs[name]
-            return Response(status=204)
+            return self._delete(bucket, name, q)
         return self._error(405, "method not allowed")
+
+    def _delete(self, bucket: str, name: str, q: dict[str, str]) -> Response:
+        with self.lock:
+            objs = self.buckets.get(bucket, {})
+            obj = objs.get(name)
+            if obj is None:
+                return self._error(404, "No such object")
+            failed = precondition_failure(obj, q)
+            if failed:
+                return self._not_met(failed)
+            del objs[name]
+        return Response(status=204)
 
     def _get(self, req: Request, bucket: str, name: str, q: dict[str, str], *, media: bool) -> Response:
         with self.lock:
