@@ -57,7 +57,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..commit import inplace, steps
-from ..commit.inplace import CLAIM_FILE, COMMIT_FORMAT, METADATA_KEY
+from ..commit.inplace import CLAIM_FILE, COMMIT_FORMAT, METADATA_KEY, AttemptState, Judgement
 from ..commit.names import validate_name
 from ..errors import (
     AtomicStoreError,
@@ -90,7 +90,9 @@ __all__ = [
     "SUPPORTED_ORBAX",
     "AtomicCheckpointManager",
     "AtomicTemporaryPath",
+    "AttemptState",
     "ForcedOverwriteWarning",
+    "Judgement",
     "OrbaxVersionError",
     "StepConflictError",
     "check_orbax_version",
