@@ -120,7 +120,10 @@ class GCSFake:
     def _meta(self, bucket: str, name: str, obj: _Object) -> dict[str, Any]:
         if obj.crc is None:
             obj.crc = google_crc32c.value(obj.data)
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(obj.updated)) + ".000Z"
+        # milliseconds, as GCS reports them (a fake of whole seconds made a lease look up
+        # to a second older than it is: a claim took it over before its writer's own
+        # clock said it expired, with a grace under a second)
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(obj.updated)) + f".{int(obj.updated * 1000) % 1000:03d}Z"
         doc: dict[str, Any] = {
             "kind": "storage#object",
             "id": f"{bucket}/{name}/{obj.generation}",
