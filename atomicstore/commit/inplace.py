@@ -72,7 +72,6 @@ MAX_STEP_CLAIM_BYTES = 64 * 2**10
 MAX_RECORD_BYTES = 64 * 2**20
 _ATTEMPT = re.compile(r"[A-Za-z0-9_-]{1,100}")
 #: how a lease state reads in a judgement's reason
-_LEASE_WORD = {LeaseState.LIVE: "alive", LeaseState.EXPIRED: "expired", LeaseState.GONE: "none"}
 
 
 class AttemptState(enum.StrEnum):
@@ -427,7 +426,7 @@ def judge_in_place(store: Store, name: str, now: float, grace: float | None = No
     if lease is LeaseState.GONE and newest + g > now:
         return Judgement(AttemptState.IN_FLIGHT, f"no lease, written to within {g:.0f}s", attempt, None, False,
                          claim_gen)
-    return Judgement(AttemptState.STALE, f"uncommitted, lease {_LEASE_WORD[lease]}", attempt, gen,
+    return Judgement(AttemptState.STALE, f"uncommitted, lease {lease.word}", attempt, gen,
                      lease is LeaseState.EXPIRED, claim_gen, sorted(listing))
 
 

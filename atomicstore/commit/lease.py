@@ -63,6 +63,11 @@ class LeaseState(enum.Enum):
     EXPIRED = "expired"  #: not renewed within ``ttl + grace``: the writer is presumed dead
     GONE = "gone"  #: no lease object (never written, released, or fenced)
 
+    @property
+    def word(self) -> str:
+        """How reasons in reports name the state ("lease alive", "lease none")."""
+        return {"live": "alive", "expired": "expired", "gone": "none"}[self.value]
+
 
 def lease_state(driver: Driver, name: str, attempt: str, now: float, grace: float
                 ) -> tuple[LeaseState, str | None]:

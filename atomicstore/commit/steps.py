@@ -60,7 +60,6 @@ from .transaction import Transaction
 
 #: an "empty" tree with more directories than this is not judged (hostile input)
 MAX_EMPTY_DIRS = 1000
-_LEASE_WORD = {LeaseState.LIVE: "alive", LeaseState.EXPIRED: "expired", LeaseState.GONE: "none"}
 
 
 # -- the staged commit (rename backends) ---------------------------------------------------
@@ -264,7 +263,7 @@ def judge_staged(store: Store, name: str, attempt: str, now: float | None = None
         pass
     if lease is LeaseState.GONE and max(mtimes, default=now) + store.grace > now:
         return Judgement(AttemptState.IN_FLIGHT, f"no lease, written to within {store.grace:.0f}s", attempt)
-    return Judgement(AttemptState.STALE, f"uncommitted, lease {_LEASE_WORD[lease]}", attempt, gen,
+    return Judgement(AttemptState.STALE, f"uncommitted, lease {lease.word}", attempt, gen,
                      lease is LeaseState.EXPIRED, keys=sorted(listing))
 
 
