@@ -45,6 +45,7 @@ from .errors import (
 from .pytree import DEFAULT_TIMEOUT, PreparedSave, Session, restore_with_manifest
 from .pytree import restore as restore_tree
 from .pytree.coordination import check_timeout, process_index_count
+from .tiers import TierOptions, Tiers, TierState
 
 log = logging.getLogger("atomicstore.manager")
 Step = int | float
@@ -108,6 +109,20 @@ class CheckpointManager:
             opens anyway (reading works).
         timeout: multi-host jobs: seconds a process waits for the others in a save (see
             :func:`atomicstore.save`).
+        local_dir: a local directory as a fast tier (see ``docs/tiers.md``): ``save``
+            commits there, and the steps due are then persisted to ``directory_or_url``
+            in the background, each as a commit of its own whose bytes are checked
+            against the local manifest. ``restore`` reads the newest step of either tier,
+            from the local copy when it verifies. Multi-host: each process uses
+            ``<local_dir>/process-<i>``.
+        local_keep: tiers: how many steps the local tier keeps (besides steps whose
+            upload is queued or running, and a due step not persisted yet).
+        persist_every_n_steps, persist_every_seconds: tiers: a step is persisted when
+            this many steps (or seconds) passed since the last persisted one, and always
+            the first step and milestones. Neither: every step is persisted.
+        upload_rate: tiers: at most this many bytes per second are read from the local
+            tier for uploads (None: as fast as the persistent tier takes them), so that
+            uploads leave the local disk's bandwidth to the next save.
 
     Multi-host (``jax.distributed``) jobs: every process creates the manager and calls
     ``save``, ``restore`` and ``delete`` with the same arguments in the same order, as
@@ -134,8 +149,14 @@ class CheckpointManager:
         recover: bool = True,
         store: Store | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        local_dir: str | os.PathLike[str] | None = None,
+        local_keep: int = 2,
+        persist_every_n_steps: int | float | None = None,
+        persist_every_seconds: float | None = None,
+        upload_rate: float | None = None,
     ) -> None:
         check_retention(prefix, keep, keep_every_n_steps)
+        tier_options = TierOptions(local_keep, persist_every_n_steps, persist_every_seconds, upload_rate)
         try:
             validate_name(f"{prefix}0")
         except InvalidArgumentError:
@@ -166,6 +187,11 @@ class CheckpointManager:
         self._verified_lock = threading.Lock()
         if recover and process_index_count()[0] == 0:
             self._recover()
+        self._tiers: Tiers | None = None
+        if local_dir is not None:
+            self._tiers = Tiers(local_dir, self.store, prefix=prefix, options=tier_options, name=self._name,
+                                step_of=self._step_of, persisted=self._persisted, timeout=self.timeout,
+                                recover=recover, process=process_index_count())
 
     def _recover(self) -> None:
         """Recovery on open. Housekeeping: a store this process cannot write to (read-only
@@ -211,7 +237,10 @@ class CheckpointManager:
         return step if self._name(step) == name else None
 
     def all_steps(self) -> list[Step]:
-        """Committed steps, in natural order (read from storage, never cached)."""
+        """Committed steps, in natural order (read from storage, never cached); with
+        tiers, the steps of either tier."""
+        if self._tiers is not None:
+            return self._tiers.steps()
         steps = [s for s in (self._step_of(n) for n in self.store.list()) if s is not None]
         return sorted(steps, key=lambda s: natural_key(str(s)))
 
@@ -227,7 +256,10 @@ class CheckpointManager:
         NaN and infinite metrics read back as floats. Raises
         :class:`~atomicstore.CorruptionError` when the stored metadata is not what a
         manager writes."""
-        name = self._name(check_step(step))
+        step = check_step(step)
+        name = self._name(step)
+        if self._tiers is not None:
+            return self._decode(name, self._tiers.manifest(step))
         return self._decode(name, self.store.manifest(name))
 
     def _decode(self, name: str, man: Manifest) -> dict[str, Any]:
@@ -286,7 +318,8 @@ class CheckpointManager:
                 step = next((s for s in newer if s == step), step)
             meta = {**user, "started": time.time(), "version": _version(), "milestone": bool(milestone),
                     "ephemeral": bool(ephemeral), "step": step}
-            job = PreparedSave(tree, session=session, snapshot=self.async_save, copy=bool(copy))
+            job = PreparedSave(tree, session=session, snapshot=self.async_save, copy=bool(copy),
+                               every_process=self._tiers is not None)
             if not self.async_save:
                 gens = self._generations(newer) if overwrite else {}
         except BaseException as exc:
@@ -351,9 +384,13 @@ class CheckpointManager:
             )
         return newer
 
-    def _generations(self, steps: list[Step]) -> dict[Step, str | None]:
+    def _generations(self, steps: list[Step]) -> dict[Step, Any]:
         """Which checkpoint each of ``steps`` is now (read when the save is called), so
-        that removing them later removes only those, never one saved since."""
+        that removing them later removes only those, never one saved since; with tiers,
+        ``(local, persistent)``."""
+        if self._tiers is not None:
+            local, remote = self._tiers.local.strategy, self.store.strategy
+            return {s: (local.current(self._name(s)), remote.current(self._name(s))) for s in steps}
         return {s: self.store.strategy.current(self._name(s)) for s in steps}
 
     def _background(self, step: Step, job: PreparedSave, meta: dict[str, Any], newer: dict[Step, str | None]) -> None:
@@ -366,8 +403,13 @@ class CheckpointManager:
         finally:
             self._slots.release()
 
-    def _save_now(self, step: Step, job: PreparedSave, meta: dict[str, Any], newer: dict[Step, str | None]) -> None:
+    def _save_now(self, step: Step, job: PreparedSave, meta: dict[str, Any], newer: dict[Step, Any]) -> None:
         t0 = time.monotonic()
+        if self._tiers is not None:
+            self._tiers.commit_local(step, job, meta, overwrite=step in newer, replaced=newer,
+                                     milestone=bool(meta.get("milestone")))
+            record_event(WRITE_EVENT, time.monotonic() - t0)
+            return
 
         def after() -> None:  # process 0, once committed
             # flax: overwriting removes newer steps, here only once the new step committed
@@ -383,6 +425,35 @@ class CheckpointManager:
         dt = time.monotonic() - t0
         record_event(WRITE_EVENT, dt)
         log.info("saved step %s in %.3fs", step, dt)
+
+    def _persisted(self, step: Step, meta: dict[str, Any], replaced: dict[Step, str | None]) -> None:
+        """Tiers, once ``step`` committed in the persistent tier: an overwrite's newer
+        steps there go, then retention of the persistent tier."""
+        for s, gen in replaced.items():
+            if s != step and gen is not None:
+                try:
+                    self.store.delete(self._name(s), if_attempt=gen)
+                except (NotFoundError, PreconditionFailedError):
+                    pass
+        self._retain(step, meta)
+
+    def tier_state(self) -> dict[Step, TierState]:
+        """Tiers: each step's state, ``local`` (in the local tier only), ``persisting``
+        (its upload is queued or running) or ``persisted`` (committed in the persistent
+        tier, maybe also local)."""
+        if self._tiers is None:
+            raise InvalidArgumentError("this CheckpointManager has no local tier (local_dir)")
+        return self._tiers.state()
+
+    def persist(self, step: Step) -> None:
+        """Tiers: queue the upload of local ``step`` to the persistent tier now, even if it
+        was not due (e.g. before a planned shutdown); :meth:`wait_until_finished` waits
+        for it."""
+        if self._tiers is None:
+            raise InvalidArgumentError("this CheckpointManager has no local tier (local_dir)")
+        self._check_open()
+        self.wait_until_finished()
+        self._tiers.persist_now(check_step(step))
 
     def _readable_metadata(self) -> tuple[dict[Step, dict[str, Any]], dict[Step, str]]:
         """The metadata of each committed step retention can read, in natural order, from
@@ -525,8 +596,16 @@ class CheckpointManager:
         first, so a step just saved is restorable. In a multi-host job every process
         calls it: process 0 picks the step (when None) and the save, every process
         restores that one or every process raises (see ``docs/multiprocess.md``)."""
-        self.wait_until_finished()
+        self.wait_until_finished(_uploads=False)
         kwargs.setdefault("timeout", self.timeout)
+        if self._tiers is not None:
+            t0 = time.monotonic()
+            out, man, step = self._tiers.restore(None if step is None else check_step(step), target, kwargs)
+            record_event(READ_EVENT, time.monotonic() - t0)
+            if not with_items:
+                return out
+            name = self._name(step)
+            return out, (dict(self._decode(name, man).get("items") or {}) if man is not None else self.items(step))
         if step is None:
             # multi-host: process 0 picks the latest step for every process (another job
             # may commit a step between two processes' listings)
@@ -558,22 +637,32 @@ class CheckpointManager:
         """Delete ``step`` (in a multi-host job: every process calls it, process 0 deletes)."""
         session = Session.begin(f"delete of step {step} in {self.store.url}", self.timeout)
         name = self._name(check_step(step))
+        if self._tiers is not None:
+            self._tiers.delete(check_step(step), remote=session is None or session.main)
+            if session is not None:
+                session.decide(lambda: None)
+            return
         if session is None:
             self.store.delete(name)
         else:
             session.decide(lambda: self.store.delete(name))
 
     # -- async bookkeeping -----------------------------------------------------------------
-    def wait_until_finished(self, _raise: bool = True) -> None:
-        """Block until every background save finished; raise the first error of one."""
+    def wait_until_finished(self, _raise: bool = True, _uploads: bool = True) -> None:
+        """Block until every background save finished, and with tiers every upload
+        queued; raise the first error of one."""
         with self._lock:
             pending = list(self._pending)
         for t in pending:
             t.join()
         with self._lock:
             self._pending = [t for t in self._pending if t.is_alive()]
+        if self._tiers is not None and _uploads:
+            self._tiers.wait()
         if _raise:
             self._raise_pending_error()
+            if self._tiers is not None and _uploads and (errs := self._tiers.take_errors()):
+                raise errs[0]
 
     def _raise_pending_error(self) -> None:
         with self._lock:
@@ -601,11 +690,18 @@ class CheckpointManager:
             )
 
     def close(self) -> None:
-        """Wait for background saves and raise any error they had."""
+        """Wait for background saves and raise any error they had. With tiers, the
+        uploads queued are finished first (leaving a ``with`` block on an exception
+        abandons them instead: an upload in flight aborts and commits nothing, and the
+        next manager on this local tier resumes it)."""
         if self._closed:
             return
         self._closed = True
-        self.wait_until_finished()
+        try:
+            self.wait_until_finished()
+        finally:
+            if self._tiers is not None:
+                self._tiers.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -615,6 +711,8 @@ class CheckpointManager:
             self.close()
         else:  # do not mask the exception in flight
             self._closed = True
+            if self._tiers is not None:
+                self._tiers.abandon()
             self.wait_until_finished(_raise=False)
 
 

@@ -124,16 +124,21 @@ class Session:
     index and the number of processes; ``what`` names the call (every process must make
     the same one)."""
 
-    def __init__(self, what: str, timeout: float, *, client: Any = None, index: int = 0, count: int = 1) -> None:
+    def __init__(self, what: str, timeout: float, *, client: Any = None, index: int = 0, count: int = 1,
+                 background: bool = False) -> None:
         # first: every process opens it, whatever fails next. Sessions are named by the
         # call and how many times this process made that call, not by a global counter:
         # a process that skipped one call (it raised before making it) fails that call
-        # only, and the processes agree again on the next one
+        # only, and the processes agree again on the next one. A ``background`` session
+        # (an upload to the persistent tier, in its own thread) is not in the order of the
+        # caller's calls: ``forget_earlier`` never deletes it, its owner does
+        # (:meth:`forget`)
         with _lock:
             n = _counts.get(what, 0)
             _counts[what] = n + 1
             self.ns = f"atomicstore/{hashlib.sha256(what.encode()).hexdigest()[:24]}/{n}"
-            _opened.append(self.ns)
+            if not background:
+                _opened.append(self.ns)
             self.order = len(_opened)
         self.what, self.timeout = what, check_timeout(timeout)
         self.client, self.index, self.count = client, index, count
@@ -144,7 +149,7 @@ class Session:
                                        "call jax.distributed.initialize() first")
 
     @classmethod
-    def begin(cls, what: str, timeout: float = DEFAULT_TIMEOUT) -> Session | None:
+    def begin(cls, what: str, timeout: float = DEFAULT_TIMEOUT, *, background: bool = False) -> Session | None:
         """A session of the ``jax.distributed`` job this process is part of, or None in a
         single-process job. Call it first, before anything that may fail."""
         client = distributed_client()
@@ -154,7 +159,8 @@ class Session:
 
         if jax.process_count() == 1:
             return None
-        return cls(what, timeout, client=client, index=jax.process_index(), count=jax.process_count())
+        return cls(what, timeout, client=client, index=jax.process_index(), count=jax.process_count(),
+                   background=background)
 
     @property
     def main(self) -> bool:
@@ -229,6 +235,15 @@ class Session:
                 self.client.key_value_delete(ns)
             except Exception:  # noqa: BLE001 - tidiness only
                 break
+
+    def forget(self) -> None:
+        """Process 0: delete this session's keys (a background session, once every
+        process is known to be done with it)."""
+        if self.count > 1:
+            try:
+                self.client.key_value_delete(self.ns)
+            except Exception:  # noqa: BLE001 - tidiness only
+                pass
 
     def check_can_commit(self) -> None:
         """Right before the commit point (process 0): the deadline has not passed and no
@@ -341,6 +356,66 @@ def coordinated_save(
     if session.main:
         return _main(session, store, leaves, shards, begin, finish, name, after, threads)
     return _other(session, leaves, shards, store, name, threads)
+
+
+def coordinated_parts(
+    session: Session,
+    store: Store,
+    leaves: list[ShardedLeaf],
+    shards: list[LocalShard],
+    *,
+    decide: Callable[[], dict[str, Any]],
+    begin: Callable[[dict[str, Any]], Transaction],
+    finish: Callable[[Transaction, dict[int, list[Shard]]], Any],
+    name: Callable[[int, tuple[int, ...]], str],
+    threads: int = 8,
+) -> Any:
+    """A multi-host save in which every process commits a checkpoint of its own, in its
+    own ``store`` (a tiered manager's local tier): each holds the shard files this process
+    wrote and lists the others' (adopted, with the size and CRC32C their writers
+    reported), so that every process's manifest is the whole step's. Process 0's
+    ``decide()`` (JSON) is handed to every process's ``begin(decision)``, which opens its
+    transaction; ``finish(txn, shards_by_array)`` writes the rest and commits. Returns
+    what ``finish`` returns once every process committed its part; raises in every
+    process if any failed."""
+    txn = None
+    try:
+        if session.main:
+            decision = decide()
+            session.put("plan", {"what": session.what, "value": decision})
+        else:
+            decision = session.await_plan()
+        txn = begin(decision)
+        mine = write_shards(store, txn.prefix, shards, name, threads)
+        if session.main:
+            reports = [{"files": mine}] + [session.get(f"shards/{i}", f"process {i}")
+                                            for i in range(1, session.count)]
+            for i, rep in enumerate(reports):
+                if "error" in rep:
+                    raise CoordinationError(f"{session.what}: process {i} failed: {rep['error']}")
+            by_array = _tiled(session, reports, leaves)
+            files = [f for rep in reports for f in rep["files"]]
+            session.put("table", {"what": session.what, "files": files})
+        else:
+            session.put(f"shards/{session.index}", {"files": mine})
+            table = session.get("table", "process 0")
+            if "error" in table:
+                raise remote_error(session, table)
+            files = table["files"]
+            by_array = assemble(files, leaves)
+        own = {f["file"] for f in mine}
+        for f in files:
+            if f["file"] not in own:
+                txn.adopt(f["file"], f["size"], f["crc32c"])
+        out = finish(txn, by_array)
+    except BaseException as exc:
+        session.fail(exc)
+        session._publish_soon([("table" if session.main else f"shards/{session.index}", session.error(exc))])
+        if txn is not None and not txn.committed:
+            _abort_within(txn, session.margin)
+        raise
+    agree(session)
+    return out
 
 
 def _main(session: Session, store: Store, leaves: list[ShardedLeaf], shards: list[LocalShard],
@@ -474,6 +549,7 @@ __all__ = [
     "Session",
     "agree",
     "check_timeout",
+    "coordinated_parts",
     "coordinated_save",
     "distributed_client",
     "multihost",

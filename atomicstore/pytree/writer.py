@@ -26,7 +26,13 @@ from ..commit.locator import checkpoint_name, split_location, store_at
 from ..commit.manifest import crc32c, crc32c_combine
 from ..errors import InvalidArgumentError
 from . import msgpack_io as mp
-from .coordination import DEFAULT_TIMEOUT, Session, check_timeout, coordinated_save
+from .coordination import (
+    DEFAULT_TIMEOUT,
+    Session,
+    check_timeout,
+    coordinated_parts,
+    coordinated_save,
+)
 from .dtypes import is_float, is_storable
 from .format import (
     EXT_COMPLEX,
@@ -466,7 +472,10 @@ class PreparedSave:
 
     def __init__(self, tree: Any, *, cast_dtype: Any = None, gather_fns: Any = None,
                  progress: bool | Callable[[int], None] = False, sort_keys: bool = True,
-                 session: Session | None = None, snapshot: bool = False, copy: bool = True) -> None:
+                 session: Session | None = None, snapshot: bool = False, copy: bool = True,
+                 every_process: bool = False) -> None:
+        # every_process: every process writes the state (not only process 0), for
+        # :meth:`run_part`
         cast_dtype = _cast_dtype(cast_dtype)
         if snapshot:  # (copied now, recursively: refuse a too deep or cyclic tree first)
             check_depth(tree)
@@ -480,7 +489,7 @@ class PreparedSave:
             self.shards = local_shards(self.leaves, arrays, to_host=snapshot)
             gather = None  # applied by split_tree
         self.writer: StateWriter | None = None
-        if session is None or session.main:
+        if session is None or session.main or every_process:
             if snapshot:
                 tree = snapshot_tree(tree, copy)
             self.writer = StateWriter(tree, cast_dtype=cast_dtype, gather_fns=gather, progress=progress,
@@ -540,6 +549,35 @@ class PreparedSave:
         if isinstance(out, Manifest):
             return out
         return Manifest.from_bytes(out["manifest"].encode(), where=st.driver.describe(name))
+
+
+    @property
+    def own_files(self) -> list[str]:
+        """The shard files this process writes (multi-host)."""
+        return sorted(shard_file(o.n, o.start) for o in self.shards)
+
+    def run_part(self, st: Store, name: str, *, overwrite: bool, decide: Callable[[], dict[str, Any]],
+                 metadata: Callable[[dict[str, Any]], dict[str, Any]]) -> Manifest:
+        """Multi-host, with ``every_process``: every process commits checkpoint ``name``
+        in its own store ``st``, holding the state, the index and its own shard files,
+        and listing the others' (see :func:`~.coordination.coordinated_parts`), with
+        ``metadata(decision)`` of process 0's ``decide()``; this process's manifest,
+        once every process committed."""
+        s = self.session
+        assert s is not None and self.writer is not None
+        s.restart_clock()
+
+        def begin(decision: dict[str, Any]) -> Transaction:
+            return st.transaction(name, metadata=metadata(decision), overwrite=overwrite)
+
+        def finish(txn: Transaction, shards: dict[int, list[Shard]]) -> Manifest:
+            self.write_state(txn, shards)
+            return txn.commit()
+
+        out: Manifest = coordinated_parts(s, st, self.leaves, self.shards, decide=decide, begin=begin,
+                                          finish=finish, name=shard_file)
+        self.writer.done()
+        return out
 
 
 def save(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "atomicstore"
 LAYER = {"drivers": 0, "retry": 0, "errors": 0, "commit": 1, "pytree": 2, "manager": 3, "compat": 4,
-         "integrations": 4, "testing": 4, "cli": 5, "demo": 5, "__main__": 6, "__init__": 6}
+         "integrations": 4, "testing": 4, "tiers": 3, "cli": 5, "demo": 5, "__main__": 6, "__init__": 6}
 
 
 def modules() -> dict[str, Path]:

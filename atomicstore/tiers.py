@@ -1,0 +1,655 @@
+"""Tiered checkpoints: a fast local tier, a persistent tier, and uploads that commit.
+
+A :class:`~atomicstore.CheckpointManager` made with ``local_dir`` saves every step to the
+local tier (a directory on this machine) with the usual atomic commit and returns; a
+background uploader then *persists* the steps that are due to the persistent tier (the
+manager's URL). Persisting is a save of its own, not a copy: a transaction on the
+persistent store, under its own lease and commit point, whose files are streamed from the
+local copy and checked against the local manifest's sizes and CRC32Cs as they are read
+(a flipped byte on the local disk fails the upload, which then commits nothing). The
+persistent manifest carries the same CRC32Cs and metadata (``tier_save`` names the save
+in both tiers).
+
+Restore takes the newest step committed in either tier: the local copy when it reads and
+verifies, else the persistent one, else the next older step; never a copy that fails its
+checks. In a multi-host job each process has its own local tier
+(``<local_dir>/process-<i>``) holding the state, the index and its own shard files; the
+processes agree (through JAX's coordination service) on the step and the save to
+restore, and a process that lacks its local part reads the persistent copy of the same
+save. See ``docs/tiers.md``.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .commit import Store, open_store
+from .commit.manifest import Manifest
+from .commit.names import natural_key
+from .errors import (
+    AtomicStoreError,
+    CorruptionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PreconditionFailedError,
+)
+from .pytree import INDEX_FILE, STATE_FILE, PreparedSave, Session, restore_with_manifest
+from .pytree.coordination import agree, remote_error
+
+log = logging.getLogger("atomicstore.tiers")
+Step = int | float
+
+#: metadata key of a tiered save: ``{"save": id, "process": i, "count": n, "own": [files]}``
+TIER_KEY = "tier"
+#: bytes read from the local copy per request while persisting
+UPLOAD_CHUNK = 8 << 20
+
+LOCAL_COMMIT_EVENT = "/atomicstore/tiers/local_commit_secs"
+UPLOAD_START_EVENT = "/atomicstore/tiers/upload_start"
+UPLOAD_EVENT = "/atomicstore/tiers/upload_secs"
+
+
+class TierState(enum.StrEnum):
+    """Where a step is: ``local`` (only in the local tier), ``persisting`` (its upload is
+    queued or running), ``persisted`` (committed in the persistent tier; maybe also local)."""
+
+    LOCAL = "local"
+    PERSISTING = "persisting"
+    PERSISTED = "persisted"
+
+
+def record(event: str, seconds: float | None = None) -> None:
+    """A ``jax.monitoring`` event (a duration when ``seconds`` is given)."""
+    try:
+        import jax.monitoring
+    except ImportError:  # pragma: no cover - numpy-only installs
+        return
+    if seconds is None:
+        jax.monitoring.record_event(event)
+    else:
+        jax.monitoring.record_event_duration_secs(event, seconds)
+
+
+@dataclass(frozen=True)
+class TierOptions:
+    """When a step is persisted and how many local steps are kept (see
+    :class:`~atomicstore.CheckpointManager`)."""
+
+    local_keep: int = 2
+    persist_every_n_steps: int | float | None = None
+    persist_every_seconds: float | None = None
+    upload_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.local_keep, int) or isinstance(self.local_keep, bool) or self.local_keep < 1:
+            raise InvalidArgumentError("local_keep must be an int >= 1")
+        for what, val in (("persist_every_n_steps", self.persist_every_n_steps),
+                          ("persist_every_seconds", self.persist_every_seconds),
+                          ("upload_rate", self.upload_rate)):
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int | float)
+                                    or not val > 0 or val != val or val == float("inf")):
+                raise InvalidArgumentError(f"{what} must be a positive finite number or None")
+
+
+@dataclass
+class _Upload:
+    step: Step
+    save: str  # the tier_save id of the local copy to persist
+    overwrite: bool
+    replaced: dict[Step, str | None] = field(default_factory=dict)  # remote steps an overwrite removes
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Tiers:
+    """The local tier, the uploader and the tiered restore of one manager.
+
+    ``remote`` is the persistent store; ``name``/``step_of`` the manager's naming;
+    ``persisted(step, meta)`` runs in the uploader once a step committed remotely (the
+    manager's retention of the persistent tier)."""
+
+    def __init__(self, local_dir: Any, remote: Store, *, prefix: str, options: TierOptions,
+                 name: Callable[[Step], str], step_of: Callable[[str], Step | None],
+                 persisted: Callable[[Step, dict[str, Any], dict[Step, str | None]], None],
+                 timeout: float, recover: bool, process: tuple[int, int]) -> None:
+        if not isinstance(local_dir, str | os.PathLike) or "://" in str(local_dir):
+            raise InvalidArgumentError("local_dir must be a local directory path (the fast tier)")
+        index, count = process
+        path = os.fspath(local_dir)
+        if count > 1:  # one local tier per process: processes may share a machine
+            path = os.path.join(path, f"process-{index}")
+        os.makedirs(path, exist_ok=True)
+        self.local = open_store(path)
+        if self.local.url == remote.url:
+            raise InvalidArgumentError("local_dir is the persistent tier itself: give another directory")
+        self.remote, self.prefix, self.options = remote, prefix, options
+        self._name, self._step_of, self._persisted = name, step_of, persisted
+        self.timeout, self.process = timeout, process
+        self._lock = threading.Lock()
+        self._queue: collections.deque[_Upload] = collections.deque()
+        self._current: _Upload | None = None
+        self._thread: threading.Thread | None = None
+        self._errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._last_due: tuple[Step, float] | None = None
+        self._last_session: Session | None = None
+        if recover:  # every process: each has its own local tier
+            self._recover_local()
+        self._resume()
+
+    # -- the local tier ---------------------------------------------------------------
+    def _recover_local(self) -> None:
+        try:
+            report = self.local.recover(flax_prefix=self.prefix)
+        except (AtomicStoreError, OSError) as exc:
+            log.warning("recovery of the local tier %s could not run: %s", self.local.url, exc)
+            return
+        if report.actions:
+            log.info("local tier: %s", report.summary())
+
+    def local_steps(self) -> dict[Step, str | None]:
+        """Committed local steps and their generation."""
+        return {s: g for n, g in self.local.committed().items() if (s := self._step_of(n)) is not None}
+
+    def remote_steps(self) -> dict[Step, str | None]:
+        return {s: g for n, g in self.remote.committed().items() if (s := self._step_of(n)) is not None}
+
+    def steps(self) -> list[Step]:
+        """Steps committed in either tier, in natural order."""
+        both = set(self.local_steps()) | set(self.remote_steps())
+        return sorted(both, key=lambda s: natural_key(str(s)))
+
+    def manifest(self, step: Step) -> Manifest:
+        """The manifest of ``step``: the local copy's if it has one, else the persistent one."""
+        name = self._name(step)
+        try:
+            return self.local.manifest(name)
+        except NotFoundError:
+            return self.remote.manifest(name)
+
+    def due(self, step: Step, milestone: bool) -> bool:
+        """Whether a step saved now is persisted (and remember it as the last due)."""
+        o, now = self.options, time.monotonic()
+        last = self._last_due
+        if o.persist_every_n_steps is None and o.persist_every_seconds is None:
+            due = True
+        else:
+            due = milestone or last is None
+            if not due and o.persist_every_n_steps is not None:
+                due = step - last[0] >= o.persist_every_n_steps  # type: ignore[index]
+            if not due and o.persist_every_seconds is not None:
+                due = now - last[1] >= o.persist_every_seconds  # type: ignore[index]
+        if due:
+            self._last_due = (step, now)
+        return due
+
+    def commit_local(self, step: Step, job: PreparedSave, meta: dict[str, Any], *, overwrite: bool,
+                     replaced: dict[Step, tuple[str | None, str | None]], milestone: bool) -> dict[str, Any]:
+        """Commit ``step`` to the local tier (every process, multi-host), apply local
+        retention and queue its upload when it is due; the metadata committed. Process
+        0 decides whether it is due and names the save (``tier.save``), for every process."""
+        t0 = time.monotonic()
+        name = self._name(step)
+        index, count = self.process
+        local_known = self.local_steps()
+
+        def decide() -> dict[str, Any]:
+            return {"save": new_save_id(), "due": self.due(step, milestone)}
+
+        def with_tier(decision: dict[str, Any]) -> dict[str, Any]:
+            tier = {"save": decision["save"], "process": index, "count": count, "due": decision["due"]}
+            if job.session is not None:
+                tier["own"] = job.own_files
+            return {**meta, TIER_KEY: tier}
+
+        if job.session is None:
+            meta = with_tier(decide())
+            job.run(self.local, name, overwrite=overwrite and step in local_known, metadata=meta)
+        else:
+            man = job.run_part(self.local, name, overwrite=overwrite and step in local_known, decide=decide,
+                               metadata=with_tier)
+            meta = man.metadata
+        tier = meta[TIER_KEY]
+        due = bool(tier["due"])
+        if due and job.session is not None and not job.session.main:
+            self._last_due = (step, time.monotonic())  # (process 0's decide() did it there)
+        for s, (gen, _) in replaced.items():  # an overwrite removes the newer local steps
+            if s != step and gen is not None:
+                try:
+                    self.local.delete(self._name(s), if_attempt=gen)
+                except (NotFoundError, PreconditionFailedError):
+                    pass
+        dt = time.monotonic() - t0
+        record(LOCAL_COMMIT_EVENT, dt)
+        log.info("step %s committed to the local tier %s in %.3fs%s", step, self.local.url, dt,
+                 "; persisting it" if due else "")
+        if due:
+            remote_replaced = {s: r for s, (_, r) in replaced.items()}
+            self.enqueue(_Upload(step, tier["save"], overwrite and step in remote_replaced, remote_replaced))
+        self.retain_local()
+        return meta
+
+    def protected(self) -> set[Step]:
+        """Local steps retention must keep: uploads queued or running, and the newest due
+        step that is not persisted yet."""
+        with self._lock:
+            out = {u.step for u in self._queue}
+            if self._current is not None:
+                out.add(self._current.step)
+        return out
+
+    def retain_local(self) -> None:
+        """Keep the newest ``local_keep`` local steps, and every step whose upload is
+        queued or running; delete the others (each only as the save listed)."""
+        local = self.local_steps()
+        order = sorted(local, key=lambda s: natural_key(str(s)))
+        keep = set(order[-self.options.local_keep:]) | self.protected()
+        remote = None
+        for s in order:
+            if s in keep:
+                continue
+            name = self._name(s)
+            try:
+                man = self.local.open(name, generation=local[s]).manifest if local[s] else self.local.manifest(name)
+                tier = man.metadata.get(TIER_KEY) or {}
+                if tier.get("due"):  # due: deleted only once a persistent copy of it exists
+                    remote = self.remote_steps() if remote is None else remote
+                    if s not in remote and s > max(remote, default=-float("inf")):
+                        continue
+                self.local.delete(name, if_attempt=man.attempt)
+            except (NotFoundError, PreconditionFailedError):
+                pass
+            except AtomicStoreError as exc:
+                log.warning("local retention keeps %s: %s", name, exc)
+
+    # -- the uploader ---------------------------------------------------------------------
+    def enqueue(self, up: _Upload) -> None:
+        with self._lock:
+            if any(u.step == up.step for u in self._queue):
+                return
+            self._queue.append(up)
+            if self._thread is None or not self._thread.is_alive():
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._run, name="atomicstore-uploader", daemon=True)
+                self._thread.start()
+
+    def _resume(self) -> None:
+        """Queue the uploads a previous run left: local steps that were due, newer than
+        the newest persisted step (multi-host: process 0's view decides in ``persist``)."""
+        try:
+            remote = self.remote_steps()
+            local = self.local_steps()
+        except AtomicStoreError as exc:
+            log.warning("tiers: cannot list the tiers to resume uploads: %s", exc)
+            return
+        newest = max(remote, default=None, key=lambda s: natural_key(str(s)))
+        for s in sorted(local, key=lambda s: natural_key(str(s))):
+            if s in remote or (newest is not None and s < newest):
+                continue
+            try:
+                tier = self.local.manifest(self._name(s)).metadata.get(TIER_KEY) or {}
+            except AtomicStoreError:
+                continue
+            if tier.get("due") and isinstance(tier.get("save"), str):
+                log.info("resuming the upload of step %s (a previous run did not persist it)", s)
+                self.enqueue(_Upload(s, tier["save"], False))
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue or self._stop.is_set():
+                    for u in self._queue:
+                        u.done.set()
+                    self._queue.clear()
+                    self._thread = None
+                    return
+                up = self._current = self._queue.popleft()
+            try:
+                self.persist(up)
+            except BaseException as exc:  # noqa: BLE001 - raised by wait_until_finished
+                log.error("upload of step %s to %s failed (the local copy stays): %s", up.step, self.remote.url, exc)
+                with self._lock:
+                    self._errors.append(exc)
+            finally:
+                with self._lock:
+                    self._current = None
+                up.done.set()
+            self.retain_local()
+
+    def wait(self) -> None:
+        """Until every queued upload ended."""
+        while True:
+            with self._lock:
+                t = self._thread
+            if t is None:
+                return
+            t.join()
+
+    def take_errors(self) -> list[BaseException]:
+        with self._lock:
+            errs, self._errors = self._errors, []
+        return errs
+
+    def abandon(self) -> None:
+        """Stop after the upload in flight (its transaction aborts at its next read)."""
+        self._stop.set()
+        with self._lock:
+            for u in self._queue:
+                u.done.set()
+            self._queue.clear()
+
+    def state(self) -> dict[Step, TierState]:
+        """Each step's tier state."""
+        remote, local = self.remote_steps(), self.local_steps()
+        busy = self.protected()
+        out = {s: TierState.LOCAL for s in local}
+        out.update({s: TierState.PERSISTING for s in busy if s in local and s not in remote})
+        out.update({s: TierState.PERSISTED for s in remote})
+        return dict(sorted(out.items(), key=lambda kv: natural_key(str(kv[0]))))
+
+    # -- persisting: a commit ------------------------------------------------------------
+    def persist(self, up: _Upload) -> Manifest | None:
+        """Upload the local copy of ``up.step`` (the save ``up.save``) to the persistent
+        tier as a transaction of its own; the persistent manifest, or None where another
+        process committed it (multi-host: process 0 commits)."""
+        name = self._name(up.step)
+        session = Session.begin(f"persist of {name} to {self.remote.url}", self.timeout, background=True)
+        t0 = time.monotonic()
+        record(UPLOAD_START_EVENT)
+        try:
+            ckpt = self.local.open(name)
+            tier = ckpt.manifest.metadata.get(TIER_KEY) or {}
+            if tier.get("save") != up.save:
+                raise PreconditionFailedError(f"{ckpt.where('')}: the local copy was replaced since the save "
+                                              "that was to be persisted")
+            out = (self._persist_alone(ckpt, up) if session is None else self._persist_together(session, ckpt, up))
+        except BaseException as exc:
+            if session is not None:
+                session.fail(exc)
+                session._publish_soon([("table", session.error(exc))] if session.main
+                                      else [(f"shards/{session.index}", session.error(exc))])
+            raise
+        dt = time.monotonic() - t0
+        record(UPLOAD_EVENT, dt)
+        size = ckpt.manifest.total_bytes
+        log.info("step %s persisted to %s: %.1f MiB in %.2fs (%.1f MiB/s)", up.step, self.remote.url,
+                 size / 2**20, dt, size / 2**20 / max(dt, 1e-9))
+        if session is not None and session.main:
+            if self._last_session is not None:
+                self._last_session.forget()  # every process is past it: it reported in this one
+            self._last_session = session
+        return out
+
+    def _persist_alone(self, ckpt: Any, up: _Upload) -> Manifest:
+        meta = _persisted_meta(ckpt.manifest.metadata)
+        with self.remote.transaction(ckpt.name, metadata=meta, overwrite=up.overwrite) as txn:
+            for path in sorted(ckpt.files, key=lambda p: -ckpt.files[p].size):
+                self._upload_file(ckpt, path, txn.open(path))
+            txn.commit()
+        assert txn.manifest is not None
+        self._after_persist(up, meta)
+        return txn.manifest
+
+    def _persist_together(self, session: Session, ckpt: Any, up: _Upload) -> Manifest | None:
+        """Multi-host: process 0 opens the persistent transaction and publishes where its
+        attempt is staged; every process uploads the files it wrote into it; process 0
+        adopts the others' (checked against its own manifest's sizes and CRC32Cs) and
+        commits once all are durable."""
+        from .commit.adapters import open_attempt_file
+
+        tier = ckpt.manifest.metadata.get(TIER_KEY) or {}
+        own = set(tier.get("own") or [])
+        if session.main:
+            own |= {INDEX_FILE, STATE_FILE}  # (every process wrote them; process 0 uploads them)
+            meta = _persisted_meta(ckpt.manifest.metadata)
+            with self.remote.transaction(ckpt.name, metadata=meta, overwrite=up.overwrite) as txn:
+                session.put("plan", {"what": session.what, "prefix": txn.prefix, "save": up.save})
+                for path in sorted(own):
+                    self._upload_file(ckpt, path, txn.open(path))
+                for i in range(1, session.count):
+                    rep = session.get(f"report/{i}", f"process {i}")
+                    if "error" in rep:
+                        raise remote_error(session, rep)
+                    for path in rep["files"]:
+                        entry = ckpt.files.get(path)
+                        if entry is None or path in own:
+                            raise CorruptionError(f"{session.what}: process {i} uploaded {path}, which is not "
+                                                  "its file of this step")
+                        txn.adopt(path, entry.size, entry.crc32c)
+                missing = set(ckpt.files) - set(txn.files)
+                if missing:
+                    raise CorruptionError(f"{session.what}: no process uploaded {sorted(missing)[:3]}")
+                txn.commit(check=session.check_can_commit)
+            self._after_persist(up, meta)
+            session.put("outcome", {"ok": True})
+            return txn.manifest
+        plan = session.get("plan", "process 0")
+        if "error" in plan:
+            raise remote_error(session, plan)
+        if plan.get("save") != up.save:
+            raise PreconditionFailedError(f"{session.what}: process 0 persists another save of this step")
+        for path in sorted(own):
+            self._upload_file(ckpt, path, open_attempt_file(self.remote, plan["prefix"], path))
+        session.put(f"report/{session.index}", {"files": sorted(own)})
+        out = session.get("outcome", "process 0", margin=session.margin)
+        if not out.get("ok"):
+            raise remote_error(session, out)
+        return None
+
+    def _after_persist(self, up: _Upload, meta: dict[str, Any]) -> None:
+        try:
+            self._persisted(up.step, meta, up.replaced)
+        except Exception as exc:  # noqa: BLE001 - persisted; retention is housekeeping
+            log.warning("retention of the persistent tier after step %s: %s", up.step, exc)
+
+    def _upload_file(self, ckpt: Any, path: str, out: Any) -> None:
+        """Stream ``path`` of the local copy into ``out`` (a transaction's file, or a
+        writer of a handed-over attempt), its size and CRC32C checked against the local
+        manifest as it is read: a mismatch raises before the file is completed."""
+        rate = self.options.upload_rate
+        buf = bytearray(min(UPLOAD_CHUNK, max(1, ckpt.files[path].size)))
+        mv = memoryview(buf)
+        t0, sent = time.monotonic(), 0
+        try:
+            with ckpt.open(path) as src:
+                while True:
+                    if self._stop.is_set():
+                        raise AtomicStoreError(f"upload of {ckpt.where(path)} abandoned (the manager closed)")
+                    n = src.readinto(mv)
+                    if not n:
+                        break
+                    out.write(mv[:n])
+                    sent += n
+                    if rate:  # the upload budget: at most `rate` bytes/s read from the local tier
+                        ahead = sent / rate - (time.monotonic() - t0)
+                        if ahead > 0:
+                            time.sleep(ahead)
+        except BaseException:
+            out.abort()
+            raise
+        out.close()
+
+    # -- restoring ----------------------------------------------------------------------
+    def restore(self, step: Step | None, target: Any, kwargs: dict[str, Any]) -> tuple[Any, Manifest | None, Step]:
+        """The tree of the newest step (or ``step``) whose copy reads and verifies, the
+        manifest read, and the step."""
+        session = (Session.begin(f"tiered restore in {self.remote.url}", self.timeout)
+                   if kwargs.get("collective", True) is True else None)
+        kwargs = {**kwargs, "collective": False}
+        if session is None:
+            return self._restore_alone(step, target, kwargs)
+        return self._restore_together(session, step, target, kwargs)
+
+    def _copies(self, step: Step | None) -> list[Step]:
+        steps = self.steps() if step is None else [step]
+        return list(reversed(steps))
+
+    def _restore_alone(self, step: Step | None, target: Any, kwargs: dict[str, Any]) -> tuple[Any, Manifest | None, Step]:
+        last: BaseException | None = None
+        for s in self._copies(step):
+            for tier, st in (("local", self.local), ("persistent", self.remote)):
+                try:
+                    out, man = restore_with_manifest(self._name(s), target, store=st, **kwargs)
+                except (CorruptionError, NotFoundError, PreconditionFailedError) as exc:
+                    if not isinstance(exc, NotFoundError) or st.exists(self._name(s)):
+                        log.warning("the %s copy of step %s cannot be restored (%s); trying the next copy",
+                                    tier, s, exc)
+                    last = exc
+                    continue
+                return out, man, s
+        if last is not None and step is not None:
+            raise last
+        raise NotFoundError(f"no checkpoint with prefix {self.prefix!r} in {self.local.url} or {self.remote.url}"
+                            + (f" that can be restored (last error: {last})" if last is not None else ""))
+
+    def _local_saves(self) -> dict[str, str]:
+        """This process's local steps: step name -> tier save id."""
+        out = {}
+        for s in self.local_steps():
+            try:
+                tier = self.local.manifest(self._name(s)).metadata.get(TIER_KEY) or {}
+            except AtomicStoreError:
+                continue
+            if isinstance(tier.get("save"), str):
+                out[self._name(s)] = tier["save"]
+        return out
+
+    def _candidates(self, session: Session, step: Step | None) -> list[list[Any]]:
+        """Process 0: the (step name, save) pairs every process can read, newest first:
+        each process has the save in its local tier, or the persistent tier holds it."""
+        mine = self._local_saves()
+        views = [mine] + [session.get(f"local/{i}", f"process {i}") for i in range(1, session.count)]
+        for i, v in enumerate(views):
+            if "error" in v:
+                raise remote_error(session, {**v, "process": i})
+        remote: dict[str, str] = {}
+        for name in self.remote.committed():
+            s = self._step_of(name)
+            if s is None or (step is not None and s != step):
+                continue
+            try:
+                tier = self.remote.manifest(name).metadata.get(TIER_KEY) or {}
+            except AtomicStoreError:
+                continue
+            remote[name] = tier.get("save") or ""
+        names = {n for v in views for n in v} | set(remote)
+        if step is not None:
+            names &= {self._name(step)}
+        out = []
+        for name in sorted(names, key=natural_key, reverse=True):
+            for save in dict.fromkeys([remote.get(name), *(v.get(name) for v in views)]):
+                if save and all(v.get(name) == save or remote.get(name) == save for v in views):
+                    out.append([name, save])
+        return out
+
+    def _restore_together(self, session: Session, step: Step | None, target: Any,
+                          kwargs: dict[str, Any]) -> tuple[Any, Manifest | None, Step]:
+        try:
+            if session.main:
+                cands = self._candidates(session, step)
+                session.publish_plan(cands)
+            else:
+                session.put(f"local/{session.index}", self._local_saves())
+                cands = session.await_plan()
+        except BaseException as exc:
+            session.fail(exc)
+            raise
+        if not cands:
+            raise NotFoundError(f"no step of prefix {self.prefix!r} that every process can restore "
+                                f"(from its local tier or from {self.remote.url})")
+        last: BaseException | None = None
+        for name, save in cands:
+            rnd = Session.begin(f"tiered restore of {name} in {self.remote.url}", self.timeout)
+            assert rnd is not None
+            try:
+                out, man = self._read_save(name, save, target, kwargs)
+            except BaseException as exc:
+                rnd.fail(exc)
+                if not isinstance(exc, CorruptionError | NotFoundError | PreconditionFailedError):
+                    raise
+                last = exc
+                try:
+                    agree(rnd)
+                except AtomicStoreError:
+                    pass
+                continue
+            try:
+                agree(rnd)
+            except (CorruptionError, NotFoundError, PreconditionFailedError) as exc:
+                last = exc  # another process could not read this save: every process tries the next
+                continue
+            s = self._step_of(name)
+            assert s is not None
+            return out, man, s
+        assert last is not None
+        raise last
+
+    def _read_save(self, name: str, save: str, target: Any, kwargs: dict[str, Any]) -> tuple[Any, Manifest | None]:
+        """Read save ``save`` of ``name``: the local copy if it is that save, else the
+        persistent one (checked to be that save too)."""
+        for tier, st in (("local", self.local), ("persistent", self.remote)):
+            try:
+                out, man = restore_with_manifest(name, target, store=st, **kwargs)
+            except (CorruptionError, NotFoundError, PreconditionFailedError) as exc:
+                if tier == "persistent":
+                    raise
+                if st.exists(name):
+                    log.warning("the local copy of %s cannot be restored (%s); reading the persistent one",
+                                name, exc)
+                continue
+            got = ((man.metadata.get(TIER_KEY) or {}).get("save") if man is not None else None)
+            if got == save:
+                return out, man
+            if tier == "persistent":
+                raise PreconditionFailedError(f"{st.driver.describe(name)} holds another save than the one "
+                                              "the processes agreed on: restore again")
+        raise NotFoundError(name)
+
+    def delete(self, step: Step, *, remote: bool = True) -> None:
+        """Delete ``step`` from the local tier and (``remote``) the persistent one; a
+        queued upload of it is dropped first."""
+        with self._lock:
+            self._queue = collections.deque(u for u in self._queue if u.step != step)
+        name = self._name(step)
+        gone = 0
+        for st in (self.local, self.remote) if remote else (self.local,):
+            try:
+                st.delete(name)
+            except NotFoundError:
+                gone += 1
+        if gone == (2 if remote else 1):
+            raise NotFoundError(f"no step {step} in {self.local.url}" + (f" or {self.remote.url}" if remote else ""))
+
+    def persist_now(self, step: Step) -> None:
+        """Queue the upload of local ``step`` (whether it was due or not)."""
+        tier = self.local.manifest(self._name(step)).metadata.get(TIER_KEY) or {}
+        if not isinstance(tier.get("save"), str):
+            raise InvalidArgumentError(f"step {step} of {self.local.url} is not a tiered save")
+        self.enqueue(_Upload(step, tier["save"], False))
+
+    def close(self) -> None:
+        self.local.close()
+
+
+def _persisted_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """The persistent copy's metadata: the local one's, without what only the local copy
+    of one process has."""
+    tier = dict(meta.get(TIER_KEY) or {})
+    for k in ("process", "own"):
+        tier.pop(k, None)
+    return {**meta, TIER_KEY: tier}
+
+
+def new_save_id() -> str:
+    return uuid.uuid4().hex
+
+
+__all__ = ["TIER_KEY", "TierOptions", "TierState", "Tiers", "new_save_id"]
