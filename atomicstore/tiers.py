@@ -22,7 +22,9 @@ save. See ``docs/tiers.md``.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
+import json
 import logging
 import os
 import threading
@@ -33,8 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .commit import Store, open_store
-from .commit.manifest import Manifest
+from .commit.manifest import FileEntry, Manifest
 from .commit.names import natural_key
+from .commit.store import Checkpoint
 from .errors import (
     AtomicStoreError,
     CorruptionError,
@@ -44,6 +47,8 @@ from .errors import (
 )
 from .pytree import INDEX_FILE, STATE_FILE, PreparedSave, Session, restore_with_manifest
 from .pytree.coordination import agree, remote_error
+from .pytree.format import PARTS_FILE
+from .pytree.reader import restore_opened
 
 log = logging.getLogger("atomicstore.tiers")
 Step = int | float
@@ -205,10 +210,8 @@ class Tiers:
             return {"save": new_save_id(), "due": self.due(step, milestone)}
 
         def with_tier(decision: dict[str, Any]) -> dict[str, Any]:
-            tier = {"save": decision["save"], "process": index, "count": count, "due": decision["due"]}
-            if job.session is not None:
-                tier["own"] = job.own_files
-            return {**meta, TIER_KEY: tier}
+            return {**meta, TIER_KEY: {"save": decision["save"], "process": index, "count": count,
+                                       "due": decision["due"]}}
 
         if job.session is None:
             meta = with_tier(decide())
@@ -405,26 +408,26 @@ class Tiers:
         commits once all are durable."""
         from .commit.adapters import open_attempt_file
 
-        tier = ckpt.manifest.metadata.get(TIER_KEY) or {}
-        own = set(tier.get("own") or [])
+        table, by = _parts(ckpt)
+        mine = sorted({p for p, i in by.items() if i == session.index} | (
+            {INDEX_FILE, STATE_FILE} if session.main else set()))
         if session.main:
-            own |= {INDEX_FILE, STATE_FILE}  # (every process wrote them; process 0 uploads them)
             meta = _persisted_meta(ckpt.manifest.metadata)
             with self.remote.transaction(ckpt.name, metadata=meta, overwrite=up.overwrite) as txn:
                 session.put("plan", {"what": session.what, "prefix": txn.prefix, "save": up.save})
-                for path in sorted(own):
+                for path in mine:
                     self._upload_file(ckpt, path, txn.open(path))
                 for i in range(1, session.count):
                     rep = session.get(f"report/{i}", f"process {i}")
                     if "error" in rep:
                         raise remote_error(session, rep)
                     for path in rep["files"]:
-                        entry = ckpt.files.get(path)
-                        if entry is None or path in own:
+                        entry = table.get(path)
+                        if entry is None or by.get(path) != i:
                             raise CorruptionError(f"{session.what}: process {i} uploaded {path}, which is not "
                                                   "its file of this step")
-                        txn.adopt(path, entry.size, entry.crc32c)
-                missing = set(ckpt.files) - set(txn.files)
+                        txn.adopt(path, entry.size, entry.crc32c)  # (its uploader checked these bytes)
+                missing = ({INDEX_FILE, STATE_FILE} | set(table)) - set(txn.files)
                 if missing:
                     raise CorruptionError(f"{session.what}: no process uploaded {sorted(missing)[:3]}")
                 txn.commit(check=session.check_can_commit)
@@ -436,9 +439,9 @@ class Tiers:
             raise remote_error(session, plan)
         if plan.get("save") != up.save:
             raise PreconditionFailedError(f"{session.what}: process 0 persists another save of this step")
-        for path in sorted(own):
+        for path in mine:
             self._upload_file(ckpt, path, open_attempt_file(self.remote, plan["prefix"], path))
-        session.put(f"report/{session.index}", {"files": sorted(own)})
+        session.put(f"report/{session.index}", {"files": mine})
         out = session.get("outcome", "process 0", margin=session.margin)
         if not out.get("ok"):
             raise remote_error(session, out)
@@ -502,7 +505,9 @@ class Tiers:
                     if not isinstance(exc, NotFoundError) or st.exists(self._name(s)):
                         log.warning("the %s copy of step %s cannot be restored (%s); trying the next copy",
                                     tier, s, exc)
-                    last = exc
+                        last = exc  # (damage, not absence, is what the caller is told)
+                    elif last is None:
+                        last = exc
                     continue
                 return out, man, s
         if last is not None and step is not None:
@@ -595,23 +600,19 @@ class Tiers:
     def _read_save(self, name: str, save: str, target: Any, kwargs: dict[str, Any]) -> tuple[Any, Manifest | None]:
         """Read save ``save`` of ``name``: the local copy if it is that save, else the
         persistent one (checked to be that save too)."""
-        for tier, st in (("local", self.local), ("persistent", self.remote)):
-            try:
-                out, man = restore_with_manifest(name, target, store=st, **kwargs)
-            except (CorruptionError, NotFoundError, PreconditionFailedError) as exc:
-                if tier == "persistent":
-                    raise
-                if st.exists(name):
-                    log.warning("the local copy of %s cannot be restored (%s); reading the persistent one",
-                                name, exc)
-                continue
-            got = ((man.metadata.get(TIER_KEY) or {}).get("save") if man is not None else None)
-            if got == save:
-                return out, man
-            if tier == "persistent":
-                raise PreconditionFailedError(f"{st.driver.describe(name)} holds another save than the one "
-                                              "the processes agreed on: restore again")
-        raise NotFoundError(name)
+        try:
+            ckpt = self.local.open(name)
+            if (ckpt.manifest.metadata.get(TIER_KEY) or {}).get("save") == save:
+                opts = {k: v for k, v in kwargs.items() if k not in ("collective", "timeout")}
+                return restore_opened(_whole(ckpt), target, **opts), ckpt.manifest
+        except (CorruptionError, NotFoundError, PreconditionFailedError) as exc:
+            if self.local.exists(name):
+                log.warning("the local copy of %s cannot be restored (%s); reading the persistent one", name, exc)
+        out, man = restore_with_manifest(name, target, store=self.remote, **kwargs)
+        if man is None or (man.metadata.get(TIER_KEY) or {}).get("save") != save:
+            raise PreconditionFailedError(f"{self.remote.driver.describe(name)} holds another save than the one "
+                                          "the processes agreed on: restore again")
+        return out, man
 
     def delete(self, step: Step, *, remote: bool = True) -> None:
         """Delete ``step`` from the local tier and (``remote``) the persistent one; a
@@ -646,6 +647,36 @@ def _persisted_meta(meta: dict[str, Any]) -> dict[str, Any]:
     for k in ("process", "own"):
         tier.pop(k, None)
     return {**meta, TIER_KEY: tier}
+
+
+def _parts(ckpt: Checkpoint) -> tuple[dict[str, FileEntry], dict[str, int]]:
+    """The whole step's shard files a multi-host local part lists (:data:`PARTS_FILE`),
+    and the process that wrote each."""
+    where = ckpt.where(PARTS_FILE)
+    try:
+        doc = json.loads(ckpt.read_bytes(PARTS_FILE))
+        out, by = {}, {}
+        for f in doc["files"]:
+            size, crc, who = f["size"], f["crc32c"], f["by"]
+            if not (isinstance(f["file"], str) and type(size) is int and type(crc) is int and size >= 0
+                    and 0 <= crc < 2**32 and type(who) is int):
+                raise ValueError(f"bad entry {str(f)[:80]}")
+            out[f["file"]], by[f["file"]] = FileEntry(size, crc), who
+    except NotFoundError:
+        raise CorruptionError(f"{where}: missing from a multi-host local part", path=PARTS_FILE) from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptionError(f"{where}: not a list of shard files ({exc})", path=PARTS_FILE) from None
+    return out, by
+
+
+def _whole(ckpt: Checkpoint) -> Checkpoint:
+    """``ckpt`` as the whole step: a multi-host local part's manifest completed with the
+    other processes' shard files (reading one of those raises NotFoundError here)."""
+    if PARTS_FILE not in ckpt.files:
+        return ckpt
+    files = {**_parts(ckpt)[0], **ckpt.files}
+    del files[PARTS_FILE]
+    return Checkpoint(ckpt.store, ckpt.name, ckpt.prefix, dataclasses.replace(ckpt.manifest, files=files))
 
 
 def new_save_id() -> str:

@@ -366,18 +366,20 @@ def coordinated_parts(
     *,
     decide: Callable[[], dict[str, Any]],
     begin: Callable[[dict[str, Any]], Transaction],
-    finish: Callable[[Transaction, dict[int, list[Shard]]], Any],
+    finish: Callable[[Transaction, dict[int, list[Shard]], list[dict[str, Any]]], Any],
     name: Callable[[int, tuple[int, ...]], str],
+    replicas: list[LocalShard] = (),  # type: ignore[assignment]
     threads: int = 8,
 ) -> Any:
     """A multi-host save in which every process commits a checkpoint of its own, in its
     own ``store`` (a tiered manager's local tier): each holds the shard files this process
-    wrote and lists the others' (adopted, with the size and CRC32C their writers
-    reported), so that every process's manifest is the whole step's. Process 0's
+    wrote (its share, and a copy of each of ``replicas``: shards another process writes),
+    and learns every process's share (their reports: file, size, CRC32C, and ``by``, the
+    process that wrote it). Process 0's
     ``decide()`` (JSON) is handed to every process's ``begin(decision)``, which opens its
-    transaction; ``finish(txn, shards_by_array)`` writes the rest and commits. Returns
-    what ``finish`` returns once every process committed its part; raises in every
-    process if any failed."""
+    transaction; ``finish(txn, shards_by_array, reports)`` writes the rest and commits.
+    Returns what ``finish`` returns once every process committed its part; raises in
+    every process if any failed."""
     txn = None
     try:
         if session.main:
@@ -386,7 +388,8 @@ def coordinated_parts(
         else:
             decision = session.await_plan()
         txn = begin(decision)
-        mine = write_shards(store, txn.prefix, shards, name, threads)
+        mine = [{**f, "by": session.index} for f in write_shards(store, txn.prefix, shards, name, threads)]
+        copies = write_shards(store, txn.prefix, replicas, name, threads)
         if session.main:
             reports = [{"files": mine}] + [session.get(f"shards/{i}", f"process {i}")
                                             for i in range(1, session.count)]
@@ -403,11 +406,9 @@ def coordinated_parts(
                 raise remote_error(session, table)
             files = table["files"]
             by_array = assemble(files, leaves)
-        own = {f["file"] for f in mine}
-        for f in files:
-            if f["file"] not in own:
-                txn.adopt(f["file"], f["size"], f["crc32c"])
-        out = finish(txn, by_array)
+        for f in mine + copies:  # (written at the attempt's prefix, not through the transaction)
+            txn.adopt(f["file"], f["size"], f["crc32c"])
+        out = finish(txn, by_array, files)
     except BaseException as exc:
         session.fail(exc)
         session._publish_soon([("table" if session.main else f"shards/{session.index}", session.error(exc))])

@@ -37,6 +37,9 @@ from .tree import Path, path_str
 
 STATE_FILE = "state.msgpack"
 INDEX_FILE = "index.msgpack"
+#: a multi-host local part (a tiered manager's local tier): the whole step's shard files,
+#: ``{"files": [{"file", "size", "crc32c", ...}, ...]}``, of which the part holds its own
+PARTS_FILE = "parts.json"
 INDEX_FORMAT = "atomicstore.pytree/1"
 #: flax splits arrays larger than this into chunks (its msgpack bin limit is 2**31 - 1)
 FLAX_MAX_CHUNK = 2**30

@@ -600,4 +600,20 @@ def _shard_reader(ckpt: Checkpoint | None, lf: Leaf, threads: int) -> ShardReade
 
 
 
-__all__ = ["restore", "restore_with_manifest"]
+def restore_opened(ckpt: Checkpoint, target: Any = None, *, subtree: Selector = None, allow_missing: bool = False,
+                   shard_fns: Any = None, threads: int | None = None) -> Any:
+    """Restore the tree of an already opened checkpoint, in this process alone (no
+    coordination), e.g. one whose manifest the caller completed (a tiered manager's
+    local part, :data:`~.format.PARTS_FILE`). Arguments as for :func:`restore`."""
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise InvalidArgumentError("threads must be a positive int")
+    if not isinstance(allow_missing, bool):
+        raise InvalidArgumentError("allow_missing must be a bool")
+    post = per_leaf_fn(shard_fns, "shard_fns")
+    root = _select(subtree) or ()
+    if threads is None:
+        threads = ckpt.store.driver.capabilities.io_threads
+    return _read(ckpt.store, ckpt.name, ckpt, None, target, root, allow_missing, post, threads)
+
+
+__all__ = ["restore", "restore_opened", "restore_with_manifest"]

@@ -119,6 +119,34 @@ def local_shards(leaves: list[ShardedLeaf], arrays: list[Any], *, to_host: bool)
     return out
 
 
+def replica_shards(leaves: list[ShardedLeaf], arrays: list[Any], *, to_host: bool) -> list[LocalShard]:
+    """The shards this process holds only as replicas (``replica_id`` != 0 on every one
+    of its devices: another process writes them), one per distinct index: what a process
+    needs besides its own share to read the arrays back alone, as laid out (a tiered
+    manager's local part)."""
+    out = []
+    for leaf, arr in zip(leaves, arrays, strict=True):
+        seen: dict[tuple[int, ...], Any] = {}
+        mine = set()
+        for sh in arr.addressable_shards:
+            start = tuple(s.indices(n)[0] for s, n in zip(sh.index, arr.shape, strict=True)) if arr.ndim else ()
+            if sh.replica_id == 0:
+                mine.add(start)
+            seen.setdefault(start, sh)
+        for start, sh in seen.items():
+            if start in mine:
+                continue
+            if to_host:
+                sh.data.copy_to_host_async()
+            cast = leaf.dtype if leaf.dtype != np.dtype(arr.dtype) else None
+            out.append(LocalShard(leaf.n, start, sh.data, cast))
+    if to_host:
+        for o in out:
+            o.data = o.host()
+            o.cast = None
+    return out
+
+
 def write_shard(store: Store, prefix: str, file: str, data: np.ndarray, block: int = SHARD_BLOCK
                 ) -> tuple[int, int, list[int]]:
     """Write ``data``'s bytes to ``<prefix>/<file>`` (a file of the attempt staged at

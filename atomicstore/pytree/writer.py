@@ -10,6 +10,7 @@ rest and commits once every process has reported.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -41,6 +42,7 @@ from .format import (
     FLAX_MAX_CHUNK,
     INDEX_FILE,
     INDEX_FORMAT,
+    PARTS_FILE,
     SHARD_BLOCK,
     SHARDED_PH,
     STATE_FILE,
@@ -49,7 +51,7 @@ from .format import (
     bytes_view,
     shard_file,
 )
-from .sharded import LocalShard, ShardedLeaf, local_shards, split_tree
+from .sharded import LocalShard, ShardedLeaf, local_shards, replica_shards, split_tree
 from .tree import Path, children, is_jax_array, path_str, per_leaf_fn, snapshot_tree, walk_leaves
 
 #: leaves smaller than this are buffered before they are written
@@ -482,11 +484,14 @@ class PreparedSave:
         self.session = session
         self.leaves: list[ShardedLeaf] = []
         self.shards: list[LocalShard] = []
+        self.replicas: list[LocalShard] = []  # (every_process: the shards held only as replicas)
         gather = gather_fns
         if session is not None:
             tree, self.leaves, arrays = split_tree(tree, cast_dtype=cast_dtype,
                                                    gather=per_leaf_fn(gather_fns, "gather_fns"))
             self.shards = local_shards(self.leaves, arrays, to_host=snapshot)
+            if every_process:
+                self.replicas = replica_shards(self.leaves, arrays, to_host=snapshot)
             gather = None  # applied by split_tree
         self.writer: StateWriter | None = None
         if session is None or session.main or every_process:
@@ -551,16 +556,13 @@ class PreparedSave:
         return Manifest.from_bytes(out["manifest"].encode(), where=st.driver.describe(name))
 
 
-    @property
-    def own_files(self) -> list[str]:
-        """The shard files this process writes (multi-host)."""
-        return sorted(shard_file(o.n, o.start) for o in self.shards)
-
     def run_part(self, st: Store, name: str, *, overwrite: bool, decide: Callable[[], dict[str, Any]],
                  metadata: Callable[[dict[str, Any]], dict[str, Any]]) -> Manifest:
         """Multi-host, with ``every_process``: every process commits checkpoint ``name``
-        in its own store ``st``, holding the state, the index and its own shard files,
-        and listing the others' (see :func:`~.coordination.coordinated_parts`), with
+        in its own store ``st``, holding the state, the index, its own shard files, a
+        copy of each shard it holds only as a replica, and :data:`~.format.PARTS_FILE`
+        (every process's shard files with their sizes, CRC32Cs and writer; see
+        :func:`~.coordination.coordinated_parts`), with
         ``metadata(decision)`` of process 0's ``decide()``; this process's manifest,
         once every process committed."""
         s = self.session
@@ -570,12 +572,13 @@ class PreparedSave:
         def begin(decision: dict[str, Any]) -> Transaction:
             return st.transaction(name, metadata=metadata(decision), overwrite=overwrite)
 
-        def finish(txn: Transaction, shards: dict[int, list[Shard]]) -> Manifest:
+        def finish(txn: Transaction, shards: dict[int, list[Shard]], files: list[dict[str, Any]]) -> Manifest:
             self.write_state(txn, shards)
+            txn.write_bytes(PARTS_FILE, json.dumps({"files": files}).encode())
             return txn.commit()
 
         out: Manifest = coordinated_parts(s, st, self.leaves, self.shards, decide=decide, begin=begin,
-                                          finish=finish, name=shard_file)
+                                          finish=finish, name=shard_file, replicas=self.replicas)
         self.writer.done()
         return out
 

@@ -1,0 +1,367 @@
+"""Tiered checkpoints (issue 25): ``CheckpointManager(url, local_dir=...)``.
+
+The persistent tier is each backend of the suite (local disk, memory, S3 on moto and on
+SeaweedFS, GCS on our fake); the local tier a temporary directory. What is checked: a
+save commits locally and the due steps are persisted as commits of their own (same
+CRC32Cs, same metadata); restore reads the newest copy that verifies and never returns a
+damaged one; a flipped byte in the local copy never yields a persistent copy; local
+retention never deletes a step whose upload is queued or running, nor a due step not
+persisted yet; two jobs sharing the persistent tier keep one winner per step; the
+manager's arguments are checked; a read-only local tier and a forked child.
+Processes killed at random instants: tests/manager/test_tiers_crash.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import in_forked_child, make_backend
+
+import atomicstore
+from atomicstore import CheckpointManager
+from atomicstore.errors import (
+    ChecksumMismatchError,
+    CommitConflictError,
+    CorruptionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from atomicstore.testing.faults import FaultPlan, is_mutation
+from atomicstore.tiers import TIER_KEY, TierState
+
+FUTURE = time.time() + 10**7
+
+
+def tree(step: int, n: int = 4096) -> dict:
+    rng = np.random.default_rng(step)
+    return {"w": rng.standard_normal(n, dtype=np.float32), "step": step}
+
+
+def same(got: dict, step: int, n: int = 4096) -> bool:
+    want = tree(step, n)
+    return got["step"] == step and got["w"].tobytes() == want["w"].tobytes()
+
+
+def manager(backend, local: Path, **kw) -> CheckpointManager:
+    kw.setdefault("storage_options", dict(backend.options))
+    kw["storage_options"].setdefault("retry", atomicstore.RetryPolicy(attempts=8, initial_wait=0.01,
+                                                                       max_wait=0.2, deadline=30))
+    if backend.kind in ("s3", "gcs"):
+        backend.open().conformance()  # (once per bucket, before the test's own requests)
+    return CheckpointManager(backend.url, local_dir=str(local), **kw)
+
+
+def flip(path: Path, at: int = 200) -> None:
+    os.chmod(path, 0o644)
+    b = bytearray(path.read_bytes())
+    b[at] ^= 1
+    path.write_bytes(bytes(b))
+
+
+def local_file(local: Path, step: int, name: str = "state.msgpack") -> Path:
+    return local / f"checkpoint_{step}" / name
+
+
+def test_save_commits_locally_and_persists_the_due_steps_with_the_same_crcs(backend, tmp_path):
+    local = tmp_path / "local"
+    with manager(backend, local, keep=5, local_keep=5, persist_every_n_steps=2) as m:
+        for s in range(5):
+            m.save(s, tree(s))
+        m.wait_until_finished()
+        assert m.all_steps() == [0, 1, 2, 3, 4]
+        assert m.tier_state() == {0: TierState.PERSISTED, 1: TierState.LOCAL, 2: TierState.PERSISTED,
+                                  3: TierState.LOCAL, 4: TierState.PERSISTED}
+        remote, loc = m.store, atomicstore.open_store(str(local))
+        assert remote.list() == ["checkpoint_0", "checkpoint_2", "checkpoint_4"]
+        for s in (0, 2, 4):
+            r, lo = remote.verify(f"checkpoint_{s}"), loc.manifest(f"checkpoint_{s}")
+            assert r.files == lo.files  # every file, same sizes and CRC32Cs
+            assert r.metadata[TIER_KEY]["save"] == lo.metadata[TIER_KEY]["save"]
+            assert r.metadata["step"] == s and r.attempt != lo.attempt  # a commit of its own
+        assert m.metadata(4)["step"] == 4
+        assert same(m.restore(), 4) and same(m.restore(1), 1)
+
+
+def test_restore_after_losing_the_machine_reads_the_persistent_copy(backend, tmp_path):
+    local = tmp_path / "local"
+    with manager(backend, local, keep=3) as m:
+        for s in (1, 2):
+            m.save(s, tree(s), metrics={"loss": float("nan")}, items={"it": {"pos": s}})
+    shutil.rmtree(local)
+    with manager(backend, local, keep=3) as m:
+        assert m.tier_state() == {1: TierState.PERSISTED, 2: TierState.PERSISTED}
+        got, items = m.restore(with_items=True)
+        assert same(got, 2) and items == {"it": {"pos": 2}}
+        assert np.isnan(m.metadata(2)["metrics"]["loss"])
+
+
+def test_a_damaged_local_copy_falls_back_to_the_persistent_one_then_to_an_older_step(backend, tmp_path, caplog):
+    local = tmp_path / "local"
+    with manager(backend, local, keep=3, local_keep=3, persist_every_n_steps=2) as m:
+        for s in (2, 3, 4):
+            m.save(s, tree(s))
+    flip(local_file(local, 4))  # persisted: the persistent copy serves
+    flip(local_file(local, 3))  # local only: the next older step serves
+    with manager(backend, local, keep=3, local_keep=3) as m:
+        assert same(m.restore(4), 4)
+        assert "local copy of step 4 cannot be restored" in caplog.text
+        m.store.delete("checkpoint_4")
+        assert same(m.restore(), 2)  # 4 is damaged here and gone there; 3 damaged, local only
+        with pytest.raises(CorruptionError, match="checkpoint_3/state.msgpack: leaf w fails its CRC32C"):
+            m.restore(3)  # asked for: its only copy is damaged, never returned
+
+
+def test_a_flipped_byte_in_the_local_copy_never_yields_a_persistent_copy(backend, tmp_path):
+    local = tmp_path / "local"
+    with manager(backend, local, persist_every_n_steps=100) as m:
+        m.save(0, tree(0))
+        m.save(1, tree(1, 1 << 18))  # not due
+        m.wait_until_finished()
+        flip(local_file(local, 1), at=(1 << 19))  # in the middle of the big array
+        m.persist(1)
+        with pytest.raises(ChecksumMismatchError, match="state.msgpack"):
+            m.wait_until_finished()
+        assert m.store.list() == ["checkpoint_0"]
+        report = m.store.recover(now=FUTURE)  # the aborted upload left nothing committed
+        assert report.committed == ["checkpoint_0"]
+        assert not m.store.recover(now=FUTURE).actions
+
+
+def test_local_retention_keeps_steps_whose_upload_is_queued_or_running(backend, tmp_path):
+    local = tmp_path / "local"
+    with manager(backend, local, keep=5, local_keep=1, upload_rate=2e6) as m:  # ~0.5 s per upload
+        for s in range(3):
+            m.save(s, tree(s, 1 << 18))  # 1 MiB each
+            # every step not yet persisted is still local (queued or uploading)
+            here = set(atomicstore.open_store(str(local)).list())
+            persisted = set(m.store.list())
+            assert {f"checkpoint_{x}" for x in range(s + 1)} - persisted <= here
+        assert TierState.PERSISTING in m.tier_state().values()
+        m.wait_until_finished()
+        assert m.store.list() == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+        m.save(3, tree(3))
+        m.wait_until_finished()
+        assert atomicstore.open_store(str(local)).list() == ["checkpoint_3"]  # local_keep applies again
+
+
+def test_local_retention_keeps_the_newest_due_step_until_it_is_persisted(request, tmp_path):
+    b = make_backend("s3", request, tmp_path)
+    local = tmp_path / "local"
+    with manager(b, local, keep=5, local_keep=1, persist_every_n_steps=10) as m:
+        m.save(0, tree(0))
+        m.wait_until_finished()
+        b.faults(FaultPlan(deny=is_mutation))  # the persistent tier refuses writes (403)
+        m.save(10, tree(10))  # due: its upload fails
+        with pytest.raises(atomicstore.StorageError):
+            m.wait_until_finished()
+        m.save(11, tree(11))  # not due: local retention (local_keep=1) would drop 10
+        m.wait_until_finished()
+        assert atomicstore.open_store(str(local)).list() == ["checkpoint_10", "checkpoint_11"]
+        b.faults(None)
+    with manager(b, local, keep=5, local_keep=1) as m:  # a restart resumes the upload the last run left
+        m.wait_until_finished()
+        assert m.store.list() == ["checkpoint_0", "checkpoint_10"]
+        m.save(12, tree(12))
+        m.wait_until_finished()
+        assert atomicstore.open_store(str(local)).list() == ["checkpoint_12"]
+
+
+def test_two_jobs_sharing_the_persistent_tier_keep_one_winner_per_step(backend, tmp_path):
+    a = manager(backend, tmp_path / "a", keep=5, upload_rate=1e6)  # about a second per upload
+    b = manager(backend, tmp_path / "b", keep=5, upload_rate=1e6)
+    a.save(7, tree(7, 1 << 18))
+    b.save(7, tree(70, 1 << 18))  # another job, another state, the same step: both upload it
+    a.wait_until_finished()
+    with pytest.raises(CommitConflictError):
+        b.wait_until_finished()
+    assert a.store.list() == ["checkpoint_7"]
+    won = a.store.manifest("checkpoint_7").metadata[TIER_KEY]["save"]
+    assert won == atomicstore.open_store(str(tmp_path / "a")).manifest("checkpoint_7").metadata[TIER_KEY]["save"]
+    # each job's restore is its own committed state; after losing its machine, b reads the winner's
+    assert same(b.restore(7), 70, 1 << 18)
+    shutil.rmtree(tmp_path / "b")
+    c = manager(backend, tmp_path / "b", keep=5)
+    assert same(c.restore(7), 7, 1 << 18)
+    for m in (a, b, c):
+        m.close()
+
+
+def test_concurrent_uploads_of_one_step_from_two_threads_commit_once(backend, tmp_path):
+    """Two managers on one local tier (a restarted job and its zombie) persist the same
+    local save at once: one commit, the other is refused, the persistent copy verifies."""
+    local = tmp_path / "local"
+    with manager(backend, local, keep=5, persist_every_n_steps=100) as m:
+        m.save(0, tree(0))
+        m.save(1, tree(1, 1 << 18))
+        m.wait_until_finished()
+    ms = [manager(backend, local, keep=5, persist_every_n_steps=100) for _ in range(2)]
+    for m in ms:
+        m.wait_until_finished()  # (each resumed nothing: 1 was not due)
+    barrier = threading.Barrier(2)
+    errors: list[BaseException | None] = [None, None]
+
+    def go(i: int) -> None:
+        barrier.wait()
+        ms[i].persist(1)
+        try:
+            ms[i].wait_until_finished()
+        except BaseException as exc:  # noqa: BLE001
+            errors[i] = exc
+
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert sum(e is None for e in errors) >= 1
+    assert all(e is None or isinstance(e, CommitConflictError) for e in errors), errors
+    ms[0].store.verify("checkpoint_1")
+    assert ms[0].store.list() == ["checkpoint_0", "checkpoint_1"]
+    for m in ms:
+        m.close()
+
+
+def test_overwrite_replaces_the_step_in_both_tiers(tmp_path):
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    with CheckpointManager(str(remote), local_dir=str(local), keep=5, local_keep=5, overwrite=True) as m:
+        for s in (1, 2, 3):
+            m.save(s, tree(s))
+        m.wait_until_finished()
+        m.save(2, tree(20))
+        m.wait_until_finished()
+        assert m.all_steps() == [1, 2]
+        assert same(m.restore(2), 20) and m.tier_state() == {1: TierState.PERSISTED, 2: TierState.PERSISTED}
+        assert atomicstore.open_store(str(remote)).list() == ["checkpoint_1", "checkpoint_2"]
+
+
+def test_delete_removes_a_step_from_both_tiers(tmp_path):
+    with CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "l"), keep=5, local_keep=5) as m:
+        m.save(1, tree(1))
+        m.save(2, tree(2))
+        m.wait_until_finished()
+        m.delete(1)
+        assert m.all_steps() == [2]
+        with pytest.raises(NotFoundError):
+            m.delete(1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"local_dir": 3}, "local_dir"),
+    ({"local_dir": "s3://bucket/x"}, "local_dir"),
+    ({"local_dir": "L", "local_keep": 0}, "local_keep"),
+    ({"local_dir": "L", "local_keep": True}, "local_keep"),
+    ({"local_dir": "L", "persist_every_n_steps": 0}, "persist_every_n_steps"),
+    ({"local_dir": "L", "persist_every_seconds": float("nan")}, "persist_every_seconds"),
+    ({"local_dir": "L", "persist_every_seconds": float("inf")}, "persist_every_seconds"),
+    ({"local_dir": "L", "upload_rate": -1}, "upload_rate"),
+    ({"local_dir": "L", "upload_rate": "fast"}, "upload_rate"),
+])
+def test_hostile_tier_arguments_are_refused_by_name(tmp_path, kwargs, match):
+    if kwargs.get("local_dir") == "L":
+        kwargs["local_dir"] = str(tmp_path / "l")
+    with pytest.raises(InvalidArgumentError, match=match):
+        CheckpointManager(str(tmp_path / "r"), **kwargs)
+
+
+def test_the_local_tier_cannot_be_the_persistent_tier(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="persistent tier itself"):
+        CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "r"))
+
+
+def test_a_local_dir_that_is_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises((InvalidArgumentError, OSError)):
+        CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "f"))
+
+
+def test_tier_methods_need_a_local_tier(tmp_path):
+    m = CheckpointManager(str(tmp_path / "r"))
+    with pytest.raises(InvalidArgumentError, match="local tier"):
+        m.tier_state()
+    with pytest.raises(InvalidArgumentError, match="local tier"):
+        m.persist(1)
+
+
+READ_ONLY_CHILD = r"""
+import sys, numpy as np, atomicstore
+sys.path.insert(0, sys.argv[3])
+from test_tiers import same, tree
+m = atomicstore.CheckpointManager(sys.argv[2], local_dir=sys.argv[1])
+assert same(m.restore(), 1)
+try:
+    m.save(2, tree(2))
+    sys.exit("a save to a read-only local tier succeeded")
+except atomicstore.StorageError as exc:
+    print("REFUSED", type(exc).__name__)
+assert m.store.list() == ["checkpoint_1"]  # nothing reached the persistent tier either
+print("OK")
+"""
+
+
+def test_a_read_only_local_tier_still_restores(tmp_path):
+    """The local tier through a read-only bind mount (a real EROFS, which root cannot
+    bypass, in the child's own mount namespace): recovery of it is logged, restore reads
+    it, a save raises StorageError and persists nothing."""
+    remote, local, ro = tmp_path / "remote", tmp_path / "local", tmp_path / "ro"
+    with CheckpointManager(str(remote), local_dir=str(local), persist_every_n_steps=100) as m:
+        m.save(1, tree(1))
+    ro.mkdir()
+    script = 'mount --bind "$1" "$2" && mount -o remount,ro,bind "$2" && exec "$3" -c "$4" "$2" "$5" "$6"'
+    out = subprocess.run(["unshare", "-rm", "--propagation", "private", "sh", "-c", script, "sh", str(local),
+                          str(ro), sys.executable, READ_ONLY_CHILD, str(remote), str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0 and out.stdout.endswith("OK\n"), out.stdout + out.stderr
+    assert "REFUSED StorageError" in out.stdout
+
+
+def _child_save(m: CheckpointManager, q) -> None:
+    try:
+        m.save(5, tree(5))
+        q.put("saved")
+    except InvalidArgumentError as exc:
+        q.put(f"refused: {exc}")
+
+
+def test_a_forked_child_cannot_use_the_parents_tiered_manager(tmp_path):
+    with CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "l"), upload_rate=1e6) as m:
+        m.save(1, tree(1, 1 << 18))  # an upload in flight while the child forks
+        out, code = in_forked_child(_child_save, m)
+        assert code == 0 and out.startswith("refused") and "forked child" in out
+        m.wait_until_finished()
+        assert m.store.list() == ["checkpoint_1"]
+
+
+def test_persist_every_seconds_and_milestones(tmp_path):
+    with CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "l"), keep=10, local_keep=10,
+                           persist_every_seconds=3600) as m:
+        m.save(1, tree(1))  # the first: due
+        m.save(2, tree(2))
+        m.save(3, tree(3), milestone=True)  # a milestone: due
+        m.save(4, tree(4))
+        m.wait_until_finished()
+        assert m.store.list() == ["checkpoint_1", "checkpoint_3"]
+
+
+def test_closing_on_an_exception_abandons_uploads_and_the_next_manager_resumes_them(backend, tmp_path):
+    local = tmp_path / "local"
+    with pytest.raises(RuntimeError):
+        with manager(backend, local, upload_rate=1e6) as m:
+            m.save(0, tree(0, 1 << 18))  # about a second to upload
+            raise RuntimeError("training crashed")
+    store = backend.open()
+    assert store.list() == []  # abandoned: nothing visible
+    with manager(backend, local) as m:
+        m.wait_until_finished()  # resumed
+        assert m.store.list() == ["checkpoint_0"]
+        m.store.verify("checkpoint_0")
+    store.recover(now=FUTURE)
+    assert not store.recover(now=FUTURE).actions
