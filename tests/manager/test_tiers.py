@@ -175,22 +175,30 @@ def test_local_retention_keeps_the_newest_due_step_until_it_is_persisted(request
 
 
 def test_two_jobs_sharing_the_persistent_tier_keep_one_winner_per_step(backend, tmp_path):
-    a = manager(backend, tmp_path / "a", keep=5, upload_rate=1e6)  # about a second per upload
-    b = manager(backend, tmp_path / "b", keep=5, upload_rate=1e6)
-    a.save(7, tree(7, 1 << 18))
-    b.save(7, tree(70, 1 << 18))  # another job, another state, the same step: both upload it
-    a.wait_until_finished()
-    with pytest.raises(CommitConflictError):
-        b.wait_until_finished()
-    assert a.store.list() == ["checkpoint_7"]
-    won = a.store.manifest("checkpoint_7").metadata[TIER_KEY]["save"]
-    assert won == atomicstore.open_store(str(tmp_path / "a")).manifest("checkpoint_7").metadata[TIER_KEY]["save"]
-    # each job's restore is its own committed state; after losing its machine, b reads the winner's
-    assert same(b.restore(7), 70, 1 << 18)
-    shutil.rmtree(tmp_path / "b")
-    c = manager(backend, tmp_path / "b", keep=5)
-    assert same(c.restore(7), 7, 1 << 18)
-    for m in (a, b, c):
+    jobs = {7: manager(backend, tmp_path / "a", keep=5, upload_rate=1e6),  # about a second per upload
+            70: manager(backend, tmp_path / "b", keep=5, upload_rate=1e6)}
+    for val, m in jobs.items():  # two jobs, two states, the same step: both upload it
+        m.save(7, tree(val, 1 << 18))
+    lost = []
+    for val, m in jobs.items():
+        try:
+            m.wait_until_finished()
+        except CommitConflictError:
+            lost.append(val)
+    assert len(lost) == 1, lost
+    won = 7 + 70 - lost[0]
+    store = backend.open()
+    assert store.list() == ["checkpoint_7"]
+    saved = store.manifest("checkpoint_7").metadata[TIER_KEY]["save"]
+    winner = tmp_path / ("a" if won == 7 else "b")
+    assert saved == atomicstore.open_store(str(winner)).manifest("checkpoint_7").metadata[TIER_KEY]["save"]
+    # each job restores its own committed state; after losing its machine, the loser reads the winner's
+    assert same(jobs[lost[0]].restore(7), lost[0], 1 << 18)
+    loser = tmp_path / ("b" if won == 7 else "a")
+    shutil.rmtree(loser)
+    c = manager(backend, loser, keep=5)
+    assert same(c.restore(7), won, 1 << 18)
+    for m in (*jobs.values(), c):
         m.close()
 
 
