@@ -47,6 +47,7 @@ from .errors import (
 from .manager import CheckpointManager
 from .pytree import restore, save
 from .retry import RetryPolicy
+from .tiers import TierState
 
 #: the installed release of atomicstore
 __version__ = "0.1.0"
@@ -58,6 +59,7 @@ __all__ = [
     "CheckedReader",
     "Checkpoint",
     "CheckpointManager",
+    "TierState",
     "ChecksumMismatchError",
     "CommitConflictError",
     "CommitOutcomeUnknownError",

@@ -117,9 +117,11 @@ class CheckpointManager:
             ``<local_dir>/process-<i>``.
         local_keep: tiers: how many steps the local tier keeps (besides steps whose
             upload is queued or running, and a due step not persisted yet).
-        persist_every_n_steps, persist_every_seconds: tiers: a step is persisted when
-            this many steps (or seconds) passed since the last persisted one, and always
-            the first step and milestones. Neither: every step is persisted.
+        persist_every_n_steps: tiers: a step is persisted when this many steps passed
+            since the last persisted one (and always the first step a manager saves, and
+            milestones). With neither this nor ``persist_every_seconds``, every step is.
+        persist_every_seconds: tiers: a step is persisted when this many seconds passed
+            since the last persisted one.
         upload_rate: tiers: at most this many bytes per second are read from the local
             tier for uploads (None: as fast as the persistent tier takes them), so that
             uploads leave the local disk's bandwidth to the next save.
