@@ -45,7 +45,7 @@ from .errors import (
 from .pytree import DEFAULT_TIMEOUT, PreparedSave, Session, restore_with_manifest
 from .pytree import restore as restore_tree
 from .pytree.coordination import check_timeout, process_index_count
-from .tiers import TierOptions, Tiers, TierState
+from .tiers import TierOptions, Tiers, TierState, record
 
 log = logging.getLogger("atomicstore.manager")
 Step = int | float
@@ -55,11 +55,8 @@ READ_EVENT = "/jax/checkpoint/read/durations_sec"
 
 
 def record_event(event: str, seconds: float) -> None:
-    try:
-        import jax.monitoring
-    except ImportError:  # pragma: no cover - numpy-only installs
-        return
-    jax.monitoring.record_event_duration_secs(event, seconds)
+    """A ``jax.monitoring`` duration event (see :func:`atomicstore.tiers.record`)."""
+    record(event, seconds)
 
 
 def check_step(step: Any) -> Step:

@@ -27,6 +27,7 @@ import enum
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .commit import Store, open_store
+from .commit.locator import is_local
 from .commit.manifest import FileEntry, Manifest
 from .commit.names import natural_key
 from .commit.store import Checkpoint
@@ -44,6 +46,7 @@ from .errors import (
     InvalidArgumentError,
     NotFoundError,
     PreconditionFailedError,
+    StorageError,
 )
 from .pytree import INDEX_FILE, STATE_FILE, PreparedSave, Session, restore_with_manifest
 from .pytree.coordination import agree, remote_error
@@ -73,15 +76,17 @@ class TierState(enum.StrEnum):
 
 
 def record(event: str, seconds: float | None = None) -> None:
-    """A ``jax.monitoring`` event (a duration when ``seconds`` is given)."""
+    """A ``jax.monitoring`` event (a duration when ``seconds`` is given), if the program
+    imported jax. Never imports it: these run in background threads, and a first import
+    of jax there while the main thread imports it deadlocks the import (``_DeadlockError``)."""
+    mon = sys.modules.get("jax.monitoring")
     try:
-        import jax.monitoring
-    except ImportError:  # pragma: no cover - numpy-only installs
-        return
-    if seconds is None:
-        jax.monitoring.record_event(event)
-    else:
-        jax.monitoring.record_event_duration_secs(event, seconds)
+        if seconds is None:
+            mon.record_event(event)  # type: ignore[union-attr]
+        else:
+            mon.record_event_duration_secs(event, seconds)  # type: ignore[union-attr]
+    except AttributeError:  # no jax, or jax still being imported by another thread
+        pass
 
 
 @dataclass(frozen=True)
@@ -128,13 +133,22 @@ class Tiers:
         if not isinstance(local_dir, str | os.PathLike) or "://" in str(local_dir):
             raise InvalidArgumentError("local_dir must be a local directory path (the fast tier)")
         index, count = process
-        path = os.fspath(local_dir)
+        path = os.path.realpath(os.fspath(local_dir))
+        if is_local(remote.url):  # the tiers must not hold each other (recovery of one would see the other)
+            other = os.path.realpath(remote.url.removeprefix("file://"))
+            if os.path.commonpath([path, other]) in (path, other):
+                raise InvalidArgumentError(
+                    f"local_dir {path} and the persistent tier {other} are the same directory or one holds "
+                    "the other: give a directory outside it")
         if count > 1:  # one local tier per process: processes may share a machine
             path = os.path.join(path, f"process-{index}")
-        os.makedirs(path, exist_ok=True)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise InvalidArgumentError(f"local_dir {path} is not a directory")
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot make the local tier {path}: {exc}") from exc
         self.local = open_store(path)
-        if self.local.url == remote.url:
-            raise InvalidArgumentError("local_dir is the persistent tier itself: give another directory")
         self.remote, self.prefix, self.options = remote, prefix, options
         self._name, self._step_of, self._persisted = name, step_of, persisted
         self.timeout, self.process = timeout, process
@@ -206,37 +220,44 @@ class Tiers:
         index, count = self.process
         local_known = self.local_steps()
 
-        def decide() -> dict[str, Any]:
-            return {"save": new_save_id(), "due": self.due(step, milestone)}
+        def decide() -> dict[str, Any]:  # (process 0, for every process)
+            return {"save": new_save_id(), "due": self.due(step, milestone), "overwrite": overwrite,
+                    "replaced": [s for s in replaced if s != step]}
+
+        agreed: dict[str, Any] = {}
 
         def with_tier(decision: dict[str, Any]) -> dict[str, Any]:
+            agreed.update(decision)
             return {**meta, TIER_KEY: {"save": decision["save"], "process": index, "count": count,
                                        "due": decision["due"]}}
 
+        def replaces(decision: dict[str, Any]) -> bool:
+            return bool(decision["overwrite"]) and step in local_known
+
         if job.session is None:
-            meta = with_tier(decide())
-            job.run(self.local, name, overwrite=overwrite and step in local_known, metadata=meta)
+            decision = decide()
+            meta = with_tier(decision)
+            job.run(self.local, name, overwrite=replaces(decision), metadata=meta)
         else:
-            man = job.run_part(self.local, name, overwrite=overwrite and step in local_known, decide=decide,
-                               metadata=with_tier)
-            meta = man.metadata
-        tier = meta[TIER_KEY]
-        due = bool(tier["due"])
+            man = job.run_part(self.local, name, overwrite=replaces, decide=decide, metadata=with_tier)
+            meta, decision = man.metadata, agreed
+        due = bool(meta[TIER_KEY]["due"])
         if due and job.session is not None and not job.session.main:
             self._last_due = (step, time.monotonic())  # (process 0's decide() did it there)
-        for s, (gen, _) in replaced.items():  # an overwrite removes the newer local steps
-            if s != step and gen is not None:
-                try:
-                    self.local.delete(self._name(s), if_attempt=gen)
-                except (NotFoundError, PreconditionFailedError):
-                    pass
+        for s in decision["replaced"]:  # an overwrite removes the newer local steps (each process its own)
+            try:
+                gone = self.local.manifest(self._name(s))
+                self.local.delete(self._name(s), if_attempt=gone.attempt)
+            except (NotFoundError, PreconditionFailedError):
+                pass
         dt = time.monotonic() - t0
         record(LOCAL_COMMIT_EVENT, dt)
         log.info("step %s committed to the local tier %s in %.3fs%s", step, self.local.url, dt,
                  "; persisting it" if due else "")
         if due:
             remote_replaced = {s: r for s, (_, r) in replaced.items()}
-            self.enqueue(_Upload(step, tier["save"], overwrite and step in remote_replaced, remote_replaced))
+            self.enqueue(_Upload(step, meta[TIER_KEY]["save"], remote_replaced.get(step) is not None,
+                                 remote_replaced))
         self.retain_local()
         return meta
 
@@ -255,23 +276,27 @@ class Tiers:
         local = self.local_steps()
         order = sorted(local, key=lambda s: natural_key(str(s)))
         keep = set(order[-self.options.local_keep:]) | self.protected()
-        remote = None
+        judged: dict[Step, Manifest] = {}
         for s in order:
-            if s in keep:
-                continue
-            name = self._name(s)
-            try:
-                man = self.local.open(name, generation=local[s]).manifest if local[s] else self.local.manifest(name)
-                tier = man.metadata.get(TIER_KEY) or {}
-                if tier.get("due"):  # due: deleted only once a persistent copy of it exists
-                    remote = self.remote_steps() if remote is None else remote
-                    if s not in remote and s > max(remote, default=-float("inf")):
-                        continue
-                self.local.delete(name, if_attempt=man.attempt)
+            if s not in keep:
+                try:
+                    judged[s] = self.local.manifest(self._name(s))
+                except (NotFoundError, PreconditionFailedError):
+                    pass
+                except AtomicStoreError as exc:
+                    log.warning("local retention keeps %s: %s", self._name(s), exc)
+        due = [s for s, man in judged.items() if (man.metadata.get(TIER_KEY) or {}).get("due")]
+        if due:  # the newest due step stays until it (or a newer step) is persisted
+            newest = max(due)
+            if not any(r >= newest for r in self.remote_steps()):
+                judged.pop(newest)
+        for s, man in judged.items():
+            try:  # only the save judged: never one committed since under that name
+                self.local.delete(self._name(s), if_attempt=man.attempt)
             except (NotFoundError, PreconditionFailedError):
                 pass
             except AtomicStoreError as exc:
-                log.warning("local retention keeps %s: %s", name, exc)
+                log.warning("local retention keeps %s: %s", self._name(s), exc)
 
     # -- the uploader ---------------------------------------------------------------------
     def enqueue(self, up: _Upload) -> None:
@@ -286,24 +311,49 @@ class Tiers:
 
     def _resume(self) -> None:
         """Queue the uploads a previous run left: local steps that were due, newer than
-        the newest persisted step (multi-host: process 0's view decides in ``persist``)."""
+        the newest persisted step. Multi-host: the saves every process's local tier holds
+        (process 0 decides, for every process)."""
+        index, count = self.process
+        session = Session.begin(f"resume uploads to {self.remote.url}", self.timeout) if count > 1 else None
         try:
-            remote = self.remote_steps()
-            local = self.local_steps()
+            mine = self._unpersisted()
+            if session is None:
+                todo = sorted(mine.items(), key=lambda kv: kv[0])
+            elif session.main:
+                views = [mine] + [session.get(f"local/{i}", f"process {i}") for i in range(1, count)]
+                todo = [(s, save) for s, save in sorted(mine.items()) if all(
+                    v.get(str(s)) == save if isinstance(v, dict) and "error" not in v else False
+                    for v in [{str(k): x for k, x in mine.items()}, *views[1:]])]
+                session.publish_plan([[s, save] for s, save in todo])
+            else:
+                session.put(f"local/{index}", {str(k): x for k, x in mine.items()})
+                todo = [(s, save) for s, save in session.await_plan()]
         except AtomicStoreError as exc:
-            log.warning("tiers: cannot list the tiers to resume uploads: %s", exc)
+            if session is not None:
+                session.fail(exc)
+            log.warning("tiers: the uploads a previous run left are not resumed: %s", exc)
             return
-        newest = max(remote, default=None, key=lambda s: natural_key(str(s)))
-        for s in sorted(local, key=lambda s: natural_key(str(s))):
-            if s in remote or (newest is not None and s < newest):
+        for s, save in todo:
+            log.info("resuming the upload of step %s (a previous run did not persist it)", s)
+            self.enqueue(_Upload(s, save, False))
+
+    def _unpersisted(self) -> dict[Step, str]:
+        """Local steps that were due and are newer than every persisted step (process 0
+        and single-process; the others: every local step that was due), with their save."""
+        newest = None
+        if self.process[0] == 0:
+            newest = max(self.remote_steps(), default=None)
+        out = {}
+        for s in self.local_steps():
+            if newest is not None and s <= newest:
                 continue
             try:
                 tier = self.local.manifest(self._name(s)).metadata.get(TIER_KEY) or {}
             except AtomicStoreError:
                 continue
             if tier.get("due") and isinstance(tier.get("save"), str):
-                log.info("resuming the upload of step %s (a previous run did not persist it)", s)
-                self.enqueue(_Upload(s, tier["save"], False))
+                out[s] = tier["save"]
+        return out
 
     def _run(self) -> None:
         while True:
@@ -619,6 +669,9 @@ class Tiers:
         queued upload of it is dropped first."""
         with self._lock:
             self._queue = collections.deque(u for u in self._queue if u.step != step)
+            running = self._current if self._current is not None and self._current.step == step else None
+        if running is not None:  # it would commit after the delete: let it end first
+            running.done.wait()
         name = self._name(step)
         gone = 0
         for st in (self.local, self.remote) if remote else (self.local,):

@@ -556,21 +556,22 @@ class PreparedSave:
         return Manifest.from_bytes(out["manifest"].encode(), where=st.driver.describe(name))
 
 
-    def run_part(self, st: Store, name: str, *, overwrite: bool, decide: Callable[[], dict[str, Any]],
+    def run_part(self, st: Store, name: str, *, overwrite: Callable[[dict[str, Any]], bool],
+                 decide: Callable[[], dict[str, Any]],
                  metadata: Callable[[dict[str, Any]], dict[str, Any]]) -> Manifest:
         """Multi-host, with ``every_process``: every process commits checkpoint ``name``
         in its own store ``st``, holding the state, the index, its own shard files, a
         copy of each shard it holds only as a replica, and :data:`~.format.PARTS_FILE`
         (every process's shard files with their sizes, CRC32Cs and writer; see
-        :func:`~.coordination.coordinated_parts`), with
-        ``metadata(decision)`` of process 0's ``decide()``; this process's manifest,
-        once every process committed."""
+        :func:`~.coordination.coordinated_parts`), with ``metadata(decision)`` of
+        process 0's ``decide()``, replacing a committed ``name`` if
+        ``overwrite(decision)``; this process's manifest, once every process committed."""
         s = self.session
         assert s is not None and self.writer is not None
         s.restart_clock()
 
         def begin(decision: dict[str, Any]) -> Transaction:
-            return st.transaction(name, metadata=metadata(decision), overwrite=overwrite)
+            return st.transaction(name, metadata=metadata(decision), overwrite=overwrite(decision))
 
         def finish(txn: Transaction, shards: dict[int, list[Shard]], files: list[dict[str, Any]]) -> Manifest:
             self.write_state(txn, shards)

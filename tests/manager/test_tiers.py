@@ -279,9 +279,12 @@ def test_hostile_tier_arguments_are_refused_by_name(tmp_path, kwargs, match):
         CheckpointManager(str(tmp_path / "r"), **kwargs)
 
 
-def test_the_local_tier_cannot_be_the_persistent_tier(tmp_path):
-    with pytest.raises(InvalidArgumentError, match="persistent tier itself"):
-        CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "r"))
+@pytest.mark.parametrize("remote, local", [("r", "r"), ("r", "r/local"), ("r/persistent", "r"), ("r", "link")])
+def test_the_tiers_cannot_hold_each_other(tmp_path, remote, local):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "r")
+    with pytest.raises(InvalidArgumentError, match="one holds the other"):
+        CheckpointManager(str(tmp_path / remote), local_dir=str(tmp_path / local))
 
 
 def test_a_local_dir_that_is_a_file_is_a_clear_error(tmp_path):
