@@ -9,6 +9,8 @@
     atomicstore rm URL/NAME             delete (commit point first)
     atomicstore doctor URL              the conformance check: what the store enforces
     atomicstore demo [--store s3]       train, get killed mid-save, recover, resume
+    atomicstore demo --tiers            the same with a local tier: killed mid-upload, the
+                                        machine lost, resumed from the persistent copy
 
 Every command takes ``--json`` (machine-readable output on stdout) and
 ``-o KEY=VALUE`` storage options (VALUE parsed as JSON when it can be). Exit status: 0
@@ -862,9 +864,10 @@ def cmd_doctor(args: argparse.Namespace, out: _Out) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, out: _Out) -> int:
-    from .demo import run_demo
+    from .demo import run_demo, run_tiers_demo
 
-    return run_demo(store=args.store, directory=args.dir, as_json=out.as_json)
+    run = run_tiers_demo if args.tiers else run_demo
+    return run(store=args.store, directory=args.dir, as_json=out.as_json)
 
 
 # -- entry point ---------------------------------------------------------------------------------
@@ -913,6 +916,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", parents=[common], help="train, get killed mid-save, recover, resume")
     s.add_argument("--store", choices=["local", "s3"], default="local")
     s.add_argument("--dir", default=None, help="where the local store goes (default: a temporary directory)")
+    s.add_argument("--tiers", action="store_true",
+                   help="with a local tier: killed mid-upload, restarted on the same machine (restores from the "
+                        "local tier), the machine lost, resumed from the persistent tier")
     s.set_defaults(fn=cmd_demo)
     return p
 
