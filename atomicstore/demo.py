@@ -114,6 +114,11 @@ def _child(url: str, options: dict[str, Any]) -> None:
 PERSIST_EVERY = 20
 #: tiers: the two kills, each while this step is being persisted
 TIER_KILLS = (30, 40)
+# The tiered demo imports jax before it makes a manager (JAX FIRST): the uploader thread a
+# tiered manager starts to resume an upload imports ``jax.monitoring`` to record its events,
+# and a first ``import jax`` on the main thread at that moment failed once with Python's
+# ``_DeadlockError`` (the two imports took the package's module locks in opposite order).
+
 #: tiers: the optimizer buffer (float32 elements): a 32 MiB state
 TIER_BUFFER = 32 * 2**20 // 4
 #: tiers: bytes/s an upload reads from the local tier (the upload budget): the upload of the
@@ -132,7 +137,7 @@ def _child_tiers(url: str, local_dir: str, options: dict[str, Any], restore: boo
     """The tiered training run that gets killed: with ``restore``, it first restores the
     newest step (and reports where from); after saving step ``wait_at`` it waits for its
     uploads (the parent kills it during that upload)."""
-    import jax  # noqa: F401 - before the manager: see _import_jax_first
+    import jax  # noqa: F401 - before the manager (see JAX FIRST)
     import numpy as np
 
     import atomicstore
@@ -172,13 +177,6 @@ def _child_tiers(url: str, local_dir: str, options: dict[str, Any], restore: boo
     print("DONE", flush=True)
 
 
-def _import_jax_first() -> None:
-    """Why the tiered demo imports jax before it makes a manager: the uploader thread a
-    tiered manager starts (to resume an upload) imports ``jax.monitoring`` to record its
-    events; a first ``import jax`` on the main thread at the same moment can fail with
-    Python's ``_DeadlockError`` (the two imports take the module locks in opposite order)."""
-
-
 def _steps(st: Any) -> list[int]:
     """The steps committed in store ``st`` (``checkpoint_<step>``)."""
     return sorted(int(n.removeprefix("checkpoint_")) for n in st.list() if n.startswith("checkpoint_"))
@@ -187,7 +185,7 @@ def _steps(st: Any) -> list[int]:
 def run_tiers_demo(store: str = "local", directory: str | None = None, as_json: bool = False) -> int:
     """``atomicstore demo --tiers``: see the module docstring. 0 once every check passed
     (a failed check raises)."""
-    import jax  # noqa: F401 - before any tiered manager: see _import_jax_first
+    import jax  # noqa: F401 - before any tiered manager (see JAX FIRST)
 
     import atomicstore
 
