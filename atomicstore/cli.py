@@ -20,7 +20,7 @@ checkpoint while the command was working on it (nothing was changed: run it agai
 store does not enforce a guarantee atomicstore relies on to commit (``doctor``, or a
 command that writes to such a store). A user error prints one line, never a traceback.
 
-``ls URL --local-dir DIR`` lists the steps of a tiered ``CheckpointManager(URL,
+``ls URL --local-dir DIR`` (with ``--all``, what crashes left in either tier) lists the steps of a tiered ``CheckpointManager(URL,
 local_dir=DIR)`` (one process's local tier: ``DIR/process-<i>`` in a multi-host job), each
 with its ``tiers``: ``local`` (committed in DIR only), ``persisted`` (committed in URL
 only), ``local+persisted`` (both), or ``persisting``: committed in DIR only, due to be
@@ -346,6 +346,10 @@ def cmd_ls(args: argparse.Namespace, out: _Out) -> int:
         rep = st.recover(dry_run=True, flax_prefix=args.flax_prefix)
         doc["uncommitted"] = [{"target": a.target, "kind": a.kind, "why": a.reason} for a in rep.actions]
         doc["in_flight"] = list(rep.in_flight)
+        if local is not None:  # what crashes left in the local tier too
+            rep = local.recover(dry_run=True, flax_prefix=args.flax_prefix)
+            doc["local_uncommitted"] = [{"target": a.target, "kind": a.kind, "why": a.reason} for a in rep.actions]
+            doc["local_in_flight"] = list(rep.in_flight)
     out.emit(doc, lambda: _print_ls(st.url, doc, show_all=args.all))
     return EXIT_OK
 
@@ -472,7 +476,11 @@ def _print_ls(url: str, doc: dict[str, Any], *, show_all: bool) -> None:
             print(f"uncommitted: {u['target']}  ({u['kind']}: {u['why']})")
         for t in doc["in_flight"]:
             print(f"in flight (a live writer, or too recent to call stale): {t}")
-        if not doc["uncommitted"] and not doc["in_flight"]:
+        for u in doc.get("local_uncommitted", []):
+            print(f"uncommitted in the local tier: {u['target']}  ({u['kind']}: {u['why']})")
+        for t in doc.get("local_in_flight", []):
+            print(f"in flight in the local tier (a live writer, or too recent to call stale): {t}")
+        if not any(doc.get(k) for k in ("uncommitted", "in_flight", "local_uncommitted", "local_in_flight")):
             print("nothing uncommitted")
 
 

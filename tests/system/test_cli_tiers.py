@@ -103,6 +103,24 @@ def test_ls_local_dir_reports_a_damaged_local_copy(tmp_path):
     assert "local copy damaged" in human and "damaged:" in human
 
 
+def test_ls_all_local_dir_shows_what_a_crash_left_in_each_tier(tmp_path):
+    b, local = Backend("local", str(tmp_path / "store")), str(tmp_path / "local")
+    tiered(b, local)
+    for root, name in ((local, "checkpoint_5"), (b.url, "checkpoint_6")):  # a dead writer's save in each tier
+        txn = atomicstore.open_store(root, lease_ttl=0.5).transaction(name)
+        txn.write_bytes("state.msgpack", b"partial")
+        txn._lease.stop()
+    doc = json.loads(cli("ls", b.url, "--local-dir", local, "--all", "--json").stdout)
+    assert set(tiers_of(json.dumps(doc))) == {1, 2, 3, 4}  # neither partial save is listed as a step
+    held = {"local": doc["local_uncommitted"] + doc["local_in_flight"], "store": doc["uncommitted"] + doc["in_flight"]}
+    assert any("checkpoint_5" in json.dumps(x) for x in held["local"]), doc
+    assert any("checkpoint_6" in json.dumps(x) for x in held["store"]), doc
+    assert not any("checkpoint_6" in json.dumps(x) for x in held["local"]), doc
+    human = cli("ls", b.url, "--local-dir", local, "--all").stdout
+    assert "in the local tier" in human and "checkpoint_5" in human
+    assert "local_uncommitted" not in json.loads(cli("ls", b.url, "--all", "--json").stdout)
+
+
 # -- the four questions: deleted between the listing and the reading of its manifest -------------
 @pytest.mark.parametrize("step, left", [(2, {1: "local+persisted", 3: "local+persisted", 4: "local"}),
                                         (3, {1: "local+persisted", 2: "local", 3: "persisted", 4: "local"})])
@@ -168,11 +186,13 @@ UNPRIVILEGED = textwrap.dedent("""
         writable = True
     except PermissionError:
         writable = False
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["ls", url, "--local-dir", local, "--json"])
-    print(json.dumps({"euid": os.geteuid(), "writable": writable, "code": code, "out": out.getvalue(),
-                      "err": err.getvalue()}))
+    res = {"euid": os.geteuid(), "writable": writable}
+    for key, extra in (("", []), ("all_", ["--all"])):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["ls", url, "--local-dir", local, "--json", *extra])
+        res.update({key + "code": code, key + "out": out.getvalue(), key + "err": err.getvalue()})
+    print(json.dumps(res))
 """)
 
 #: capabilities that let root ignore file permissions (linux/capability.h)
@@ -201,7 +221,7 @@ def unprivileged_ls(url: str, local: str, tmp_path: Any) -> dict[str, Any]:
 
 
 def test_ls_local_dir_on_a_read_only_and_an_unreadable_local_tier(tmp_path):
-    """chmod a-w: ls reads the local tier as usual and writes nothing to it; chmod 000: one
+    """chmod a-w: ls (and ls --all) reads the local tier as usual and writes nothing to it; chmod 000: one
     line naming the permission error, exit 4. The command runs in a process for which the
     chmod binds (checked: it cannot create a file there), also when the suite runs as root."""
     b, local = Backend("local", str(tmp_path / "store")), tmp_path / "local"
@@ -214,12 +234,14 @@ def test_ls_local_dir_on_a_read_only_and_an_unreadable_local_tier(tmp_path):
                 p.chmod(0o555)
         got = unprivileged_ls(b.url, str(local), tmp_path)
         assert got["writable"] is False, "the chmod does not bind the command's process"
-        assert got["code"] == 0, got["err"]
+        assert got["code"] == 0 and got["all_code"] == 0, (got["err"], got["all_err"])
         assert tiers_of(got["out"]) == {1: "local+persisted", 2: "local", 3: "local+persisted", 4: "local"}
+        assert json.loads(got["all_out"])["local_uncommitted"] == []  # (recovery's dry run reads only)
         local.chmod(0o000)
         got = unprivileged_ls(b.url, str(local), tmp_path)
-        lines = got["err"].strip().splitlines()
-        assert got["code"] == 4 and len(lines) == 1 and "ermission denied" in lines[0], got
+        for key in ("", "all_"):
+            lines = got[key + "err"].strip().splitlines()
+            assert got[key + "code"] == 4 and len(lines) == 1 and "ermission denied" in lines[0], got
     finally:
         for p, m in modes.items():
             p.chmod(m)
