@@ -1,6 +1,7 @@
 """The ``atomicstore`` command: look after checkpoints, and the demo.
 
     atomicstore ls URL [--all]          committed checkpoints (and, with --all, the rest)
+    atomicstore ls URL --local-dir DIR  each step's tiers: URL persistent, DIR the local tier
     atomicstore verify URL[/NAME]       re-check every checksum (exit 0 only if all verify)
     atomicstore recover URL [--dry-run] remove what crashes left behind
     atomicstore inspect URL/NAME        the tree: key paths, dtypes, shapes, sizes, metadata
@@ -8,6 +9,8 @@
     atomicstore rm URL/NAME             delete (commit point first)
     atomicstore doctor URL              the conformance check: what the store enforces
     atomicstore demo [--store s3]       train, get killed mid-save, recover, resume
+    atomicstore demo --tiers            the same with a local tier: killed mid-upload, the
+                                        machine lost, resumed from the persistent copy
 
 Every command takes ``--json`` (machine-readable output on stdout) and
 ``-o KEY=VALUE`` storage options (VALUE parsed as JSON when it can be). Exit status: 0
@@ -16,6 +19,15 @@ success, 1 verification failed or data corrupt, 2 bad arguments or URL, 3 not fo
 checkpoint while the command was working on it (nothing was changed: run it again), 7 the
 store does not enforce a guarantee atomicstore relies on to commit (``doctor``, or a
 command that writes to such a store). A user error prints one line, never a traceback.
+
+``ls URL --local-dir DIR`` (with ``--all``, what crashes left in either tier) lists the steps of a tiered ``CheckpointManager(URL,
+local_dir=DIR)`` (one process's local tier: ``DIR/process-<i>`` in a multi-host job), each
+with its ``tiers``: ``local`` (committed in DIR only), ``persisted`` (committed in URL
+only), ``local+persisted`` (both), or ``persisting``: committed in DIR only, due to be
+persisted (``tier.due`` in its manifest) and newer than the newest step in URL, so an
+upload of it is queued or running in the job, or, if the job died, the next manager opened
+on DIR resumes it. It is what the two stores hold, not what a running job's uploader is
+doing: an upload can have just committed, or failed, since.
 
 ``cp``, ``rm``, ``verify`` and ``inspect`` act only on checkpoints: a committed one of the
 native layout or a flax one-file checkpoint. A path inside a checkpoint, inside a save's
@@ -320,13 +332,24 @@ def _tries(what: str, fn: Callable[[], Any]) -> Any:
 
 # -- commands ----------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace, out: _Out) -> int:
+    local = _local_tier(args.local_dir, args.url) if args.local_dir is not None else None
     st = _open(args.url, args.options)
+    if local is not None and local.url == st.url:
+        raise InvalidArgumentError(f"--local-dir {args.local_dir} is the persistent tier itself ({st.url}): "
+                                   "give the local tier's directory")
     rows = _ls_rows(st)
     doc: dict[str, Any] = {"store": st.url, "checkpoints": rows}
+    if local is not None:
+        doc["local_dir"] = local.url
+        doc["checkpoints"] = _tier_rows(rows, local)
     if args.all:
         rep = st.recover(dry_run=True, flax_prefix=args.flax_prefix)
         doc["uncommitted"] = [{"target": a.target, "kind": a.kind, "why": a.reason} for a in rep.actions]
         doc["in_flight"] = list(rep.in_flight)
+        if local is not None:  # what crashes left in the local tier too
+            rep = local.recover(dry_run=True, flax_prefix=args.flax_prefix)
+            doc["local_uncommitted"] = [{"target": a.target, "kind": a.kind, "why": a.reason} for a in rep.actions]
+            doc["local_in_flight"] = list(rep.in_flight)
     out.emit(doc, lambda: _print_ls(st.url, doc, show_all=args.all))
     return EXIT_OK
 
@@ -355,26 +378,109 @@ def _ls_rows(st: Store) -> list[dict[str, Any]]:
     return rows
 
 
+def _local_tier(path: str, url: str) -> Store:
+    """The local tier ``path`` of ``ls --local-dir``, opened for reading: an existing
+    local directory (exit 3 if missing, 2 if it is a URL, a file, inside a checkpoint or
+    holds the local tiers of several processes)."""
+    if "://" in path:
+        raise InvalidArgumentError(f"--local-dir {path!r} is a URL: the local tier is a directory on this machine "
+                                   f"(the persistent tier is the URL, {url})")
+    if not os.path.exists(path):
+        raise NotFoundError(f"--local-dir {path}: no such directory")
+    if not os.path.isdir(path):
+        raise InvalidArgumentError(f"--local-dir {path} is not a directory")
+    where = _inside(path, {})
+    if where is not None:
+        raise InvalidArgumentError(f"--local-dir {path} is inside {where}, not a local tier")
+    local = _open(path, {})
+    if not local.list():
+        procs = sorted(e.name.rstrip("/") for e in local.driver.listdir("")
+                       if e.is_dir and e.name.rstrip("/").startswith("process-"))
+        if procs:
+            raise InvalidArgumentError(f"--local-dir {path} holds the local tiers of several processes "
+                                       f"({', '.join(procs[:4])}): name one, e.g. {os.path.join(path, procs[0])}")
+    return local
+
+
+def _tier_rows(rows: list[dict[str, Any]], local: Store) -> list[dict[str, Any]]:
+    """``ls --local-dir``: ``rows`` (the persistent tier's, from :func:`_ls_rows`) with
+    each one's ``tiers``, and a row for each step committed only in the local tier
+    ``local`` (``local`` or ``persisting``; see the module docstring). A local step
+    deleted between the listing and the reading of its manifest is left out (its
+    persistent row, if any, stays ``persisted``); a local copy whose manifest cannot be
+    read is reported (``local_damaged``), never guessed."""
+    from .commit.names import natural_key
+    from .tiers import TIER_KEY, TierState
+
+    persisted = {r["name"]: r for r in rows if r["kind"] != ONE_FILE}
+    newest: dict[str, float] = {}  # name prefix -> newest persisted step
+    for name, r in persisted.items():
+        if r["step"] is not None:
+            pre = name[: -len(r["step"])]
+            newest[pre] = max(newest.get(pre, -float("inf")), float(r["step"]))
+    out = [{**r, "tiers": TierState.PERSISTED.value} for r in rows]
+    by_name = {r["name"]: r for r in out if r["kind"] != ONE_FILE}
+    for name in local.list():
+        try:
+            man = local.manifest(name)
+        except NotFoundError:
+            continue  # deleted since the listing (local retention, or the job's overwrite)
+        except CorruptionError as exc:
+            why = _first_line(str(exc))
+            if name in by_name:
+                by_name[name].update(tiers=f"{TierState.LOCAL.value}+{TierState.PERSISTED.value}", local_damaged=why)
+            else:
+                out.append({"name": name, "step": _step(name), "kind": "damaged", "bytes": None, "files": None,
+                            "committed": None, "why": why, "tiers": TierState.LOCAL.value})
+            continue
+        if name in by_name:
+            by_name[name]["tiers"] = f"{TierState.LOCAL.value}+{TierState.PERSISTED.value}"
+            continue
+        tier = man.metadata.get(TIER_KEY)
+        step = _step(name)
+        state = TierState.LOCAL
+        if (isinstance(tier, dict) and tier.get("due") is True and step is not None
+                and float(step) > newest.get(name[: -len(step)], -float("inf"))):
+            state = TierState.PERSISTING  # the job uploads it, or a restarted one resumes it
+        out.append({"name": name, "step": step, "kind": "checkpoint", "bytes": man.total_bytes,
+                    "files": len(man.files), "committed": man.committed or man.created, "tiers": state.value})
+    flax = [r for r in out if r["kind"] == ONE_FILE]
+    steps = sorted((r for r in out if r["kind"] != ONE_FILE), key=lambda r: natural_key(r["name"]))
+    return steps + flax
+
+
 def _print_ls(url: str, doc: dict[str, Any], *, show_all: bool) -> None:
     """``ls`` for people: ``doc`` as :func:`cmd_ls` emits it."""
     rows = doc["checkpoints"]
+    tiered = "local_dir" in doc
     if not rows:
-        print(f"no committed checkpoints in {url}")
+        print(f"no committed checkpoints in {url}" + (f" or {doc['local_dir']}" if tiered else ""))
     else:
-        print(f"{'NAME':32} {'STEP':>10} {'SIZE':>11} {'FILES':>6} {'AGE':>7}  KIND")
+        def tcol(r: dict[str, Any]) -> str:
+            return f" {r['tiers']:15}" if tiered else ""
+
+        print(f"{'NAME':32} {'STEP':>10} {'SIZE':>11} {'FILES':>6} {'AGE':>7} " + (f" {'TIERS':15}" if tiered else "")
+              + " KIND")
         for r in rows:
             if r["kind"] == "damaged":
-                print(f"{r['name']:32} {r['step'] or '-':>10} {'?':>11} {'?':>6} {'?':>7}  "
+                print(f"{r['name']:32} {r['step'] or '-':>10} {'?':>11} {'?':>6} {'?':>7} {tcol(r)} "
                       f"damaged: {r['why']}")
                 continue
             print(f"{r['name']:32} {r['step'] or '-':>10} {_size(r['bytes']):>11} {r['files']:>6} "
-                  f"{_age(r['committed']):>7}  {r['kind']}")
+                  f"{_age(r['committed']):>7} {tcol(r)} {r['kind']}"
+                  + (f" (local copy damaged: {r['local_damaged']})" if r.get("local_damaged") else ""))
+        if tiered:
+            print(f"tiers: persistent {url}, local {doc['local_dir']}")
     if show_all:
         for u in doc["uncommitted"]:
             print(f"uncommitted: {u['target']}  ({u['kind']}: {u['why']})")
         for t in doc["in_flight"]:
             print(f"in flight (a live writer, or too recent to call stale): {t}")
-        if not doc["uncommitted"] and not doc["in_flight"]:
+        for u in doc.get("local_uncommitted", []):
+            print(f"uncommitted in the local tier: {u['target']}  ({u['kind']}: {u['why']})")
+        for t in doc.get("local_in_flight", []):
+            print(f"in flight in the local tier (a live writer, or too recent to call stale): {t}")
+        if not any(doc.get(k) for k in ("uncommitted", "in_flight", "local_uncommitted", "local_in_flight")):
             print("nothing uncommitted")
 
 
@@ -766,9 +872,10 @@ def cmd_doctor(args: argparse.Namespace, out: _Out) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, out: _Out) -> int:
-    from .demo import run_demo
+    from .demo import run_demo, run_tiers_demo
 
-    return run_demo(store=args.store, directory=args.dir, as_json=out.as_json)
+    run = run_tiers_demo if args.tiers else run_demo
+    return run(store=args.store, directory=args.dir, as_json=out.as_json)
 
 
 # -- entry point ---------------------------------------------------------------------------------
@@ -784,6 +891,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("url")
     s.add_argument("--all", action="store_true", help="also uncommitted and stale data, and why")
     s.add_argument("--flax-prefix", default="checkpoint_")
+    s.add_argument("--local-dir", default=None, metavar="DIR",
+                   help="the local tier of a tiered CheckpointManager(URL, local_dir=DIR): show each step's tiers "
+                        "(local, persisting, persisted, local+persisted)")
     s.set_defaults(fn=cmd_ls)
     s = sub.add_parser("verify", parents=[common], help="re-check every checksum")
     s.add_argument("url", help="STORE_URL (every checkpoint) or STORE_URL/NAME")
@@ -814,6 +924,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", parents=[common], help="train, get killed mid-save, recover, resume")
     s.add_argument("--store", choices=["local", "s3"], default="local")
     s.add_argument("--dir", default=None, help="where the local store goes (default: a temporary directory)")
+    s.add_argument("--tiers", action="store_true",
+                   help="with a local tier: killed mid-upload, restarted on the same machine (restores from the "
+                        "local tier), the machine lost, resumed from the persistent tier")
     s.set_defaults(fn=cmd_demo)
     return p
 
