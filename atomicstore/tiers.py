@@ -110,6 +110,11 @@ class TierOptions:
                 raise InvalidArgumentError(f"{what} must be a positive finite number or None")
 
 
+class Superseded(PreconditionFailedError):
+    """An upload whose local save was replaced (an overwrite) or deleted before or while
+    it was uploaded: it commits nothing, and is not an error of the tiers."""
+
+
 @dataclass
 class _Upload:
     step: Step
@@ -300,9 +305,12 @@ class Tiers:
 
     # -- the uploader ---------------------------------------------------------------------
     def enqueue(self, up: _Upload) -> None:
+        """Queue an upload. Uploads run in the order queued, every one (multi-host: every
+        process queues the same uploads in the same order, and each is a collective call);
+        one whose local save was replaced since ends as :class:`Superseded`."""
         with self._lock:
-            if any(u.step == up.step for u in self._queue):
-                return
+            if any(u.step == up.step and u.save == up.save for u in [*self._queue, self._current] if u):
+                return  # (that very save is already queued or uploading)
             self._queue.append(up)
             if self._thread is None or not self._thread.is_alive():
                 self._stop.clear()
@@ -367,6 +375,8 @@ class Tiers:
                 up = self._current = self._queue.popleft()
             try:
                 self.persist(up)
+            except Superseded as exc:  # a newer save of the step is (or was) queued after it
+                log.info("upload of step %s skipped: %s", up.step, exc)
             except BaseException as exc:  # noqa: BLE001 - raised by wait_until_finished
                 log.error("upload of step %s to %s failed (the local copy stays): %s", up.step, self.remote.url, exc)
                 with self._lock:
@@ -418,12 +428,22 @@ class Tiers:
         t0 = time.monotonic()
         record(UPLOAD_START_EVENT)
         try:
-            ckpt = self.local.open(name)
+            try:
+                ckpt = self.local.open(name)
+            except NotFoundError as exc:
+                raise Superseded(f"{self.local.driver.describe(name)} was deleted before it was uploaded") from exc
             tier = ckpt.manifest.metadata.get(TIER_KEY) or {}
             if tier.get("save") != up.save:
-                raise PreconditionFailedError(f"{ckpt.where('')}: the local copy was replaced since the save "
-                                              "that was to be persisted")
-            out = (self._persist_alone(ckpt, up) if session is None else self._persist_together(session, ckpt, up))
+                raise Superseded(f"{ckpt.where('')}: the local copy was replaced since the save that was to be "
+                                 "persisted")
+            try:
+                out = (self._persist_alone(ckpt, up) if session is None
+                       else self._persist_together(session, ckpt, up))
+            except (CorruptionError, NotFoundError) as exc:
+                if self.local.strategy.current(name) != ckpt.manifest.attempt:  # replaced (or deleted) while read
+                    raise Superseded(f"{ckpt.where('')}: the local copy was replaced while it was uploaded "
+                                     "(nothing was committed)") from exc
+                raise
         except BaseException as exc:
             if session is not None:
                 session.fail(exc)

@@ -376,3 +376,58 @@ def test_closing_on_an_exception_abandons_uploads_and_the_next_manager_resumes_t
         m.store.verify("checkpoint_0")
     store.recover(now=FUTURE)
     assert not store.recover(now=FUTURE).actions
+
+
+def test_a_delete_during_an_upload_of_that_step_is_not_undone_by_the_upload(backend, tmp_path):
+    with manager(backend, tmp_path / "local", keep=5, upload_rate=1e6) as m:  # about a second per upload
+        m.save(1, tree(1, 1 << 18))
+        assert m.tier_state() == {1: TierState.PERSISTING}
+        time.sleep(0.2)  # (the upload is running now, or about to)
+        m.delete(1)
+        m.wait_until_finished()
+        assert m.all_steps() == []
+        assert backend.open().list() == []
+
+
+def test_jax_monitoring_events_of_tiered_saves(tmp_path):
+    import jax.monitoring
+
+    from atomicstore.tiers import LOCAL_COMMIT_EVENT, UPLOAD_EVENT, UPLOAD_START_EVENT
+
+    events: list[str] = []
+    jax.monitoring.register_event_listener(lambda e, **kw: events.append(e))
+    jax.monitoring.register_event_duration_secs_listener(lambda e, secs, **kw: events.append(e))
+    with CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "l"), persist_every_n_steps=2) as m:
+        m.save(1, tree(1))
+        m.save(2, tree(2))  # not due
+    assert events.count(LOCAL_COMMIT_EVENT) == 2
+    assert events.count(UPLOAD_START_EVENT) == 1 and events.count(UPLOAD_EVENT) == 1
+
+
+def test_tiered_saves_never_import_jax_from_a_background_thread(tmp_path):
+    """A first import of jax in the uploader thread while the main thread imports it
+    deadlocks the import: the events are recorded only if the program imported jax."""
+    code = (
+        "import sys, numpy as np, atomicstore\n"
+        f"m = atomicstore.CheckpointManager({str(tmp_path / 'r')!r}, local_dir={str(tmp_path / 'l')!r}, "
+        "async_save=True)\n"
+        "m.save(1, {'w': np.ones(3)}); m.close()\n"
+        "assert 'jax' not in sys.modules, 'jax was imported'\n"
+        "assert atomicstore.open_store(" + repr(str(tmp_path / "r")) + ").list() == ['checkpoint_1']\n"
+        "print('OK')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "OK\n", out.stdout + out.stderr
+
+
+def test_an_overwrite_while_the_step_uploads_persists_the_new_save_and_no_error(backend, tmp_path):
+    local = tmp_path / "local"
+    with manager(backend, local, keep=5, overwrite=True, upload_rate=1e6) as m:  # about a second per upload
+        m.save(2, tree(2, 1 << 18))
+        time.sleep(0.2)  # its upload runs
+        m.save(2, tree(20, 1 << 18))  # replaces the local copy under the upload: that upload commits nothing
+        m.wait_until_finished()  # no error: the replaced save's upload was superseded, not failed
+        saved = atomicstore.open_store(str(local)).manifest("checkpoint_2").metadata[TIER_KEY]["save"]
+        assert backend.open().manifest("checkpoint_2").metadata[TIER_KEY]["save"] == saved
+        shutil.rmtree(local)
+    with manager(backend, local, keep=5) as m:
+        assert same(m.restore(2), 20, 1 << 18)

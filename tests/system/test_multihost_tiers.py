@@ -22,6 +22,7 @@ from test_multihost import all_ok, one, run, shard_bytes, where
 
 import atomicstore
 from atomicstore.pytree.format import PARTS_FILE
+from atomicstore.testing.faults import FaultPlan, is_mutation
 from atomicstore.tiers import TIER_KEY
 
 pytestmark = pytest.mark.slow
@@ -84,3 +85,33 @@ def test_a_step_never_persisted_is_restored_from_the_local_tiers_alone(request, 
         # step 4 was never persisted: a clear error in every process, never other data
         assert ok == [True, True, False, True], r["steps"]
         assert r["steps"][2]["error"] == "NotFoundError", r["steps"][2]
+
+
+def test_an_overwrite_and_a_resumed_upload_reach_every_process(request, tmp_path):
+    """overwrite=True: saving step 5 again removes step 6 from both processes' local tiers
+    and from the persistent tier; an upload the persistent tier refused (read-only
+    credentials, then restored) is resumed by the next job, in both processes."""
+    url, opts, backend = where("s3", request, tmp_path)
+    local = tmp_path / "local"
+    mgr = {"op": "mgr", "kwargs": {"keep": 5, "local_keep": 5, "timeout": 60, "local_dir": str(local),
+                                   "overwrite": True}}
+    res = run(2, url, opts, [mgr, {"op": "save", "step": 5, "val": 5.0}, {"op": "save", "step": 6, "val": 6.0},
+                             {"op": "save", "step": 5, "val": 7.0}, {"op": "wait"}, {"op": "steps"},
+                             {"op": "restore", "step": None, "val": 7.0, "layout": "same"}], tmp_path, "over")
+    all_ok(res, 7)
+    assert [one(r, "steps")["value"] for r in res] == [[5], [5]]
+    store = atomicstore.open_store(url, **opts)
+    assert store.list() == ["checkpoint_5"]
+    for i in (0, 1):
+        assert atomicstore.open_store(str(local / f"process-{i}")).list() == ["checkpoint_5"]
+
+    backend.faults(FaultPlan(deny=is_mutation))  # the persistent tier refuses the next upload
+    res = run(2, url, opts, [mgr, {"op": "save", "step": 8, "val": 8.0}, {"op": "wait"}], tmp_path, "refused")
+    for r in res:
+        assert r["rc"] == 0 and [s["ok"] for s in r["steps"]] == [True, True, False], r["steps"]
+    backend.faults(None)
+    assert store.list() == ["checkpoint_5"]
+    res = run(2, url, opts, [mgr, {"op": "wait"}, {"op": "steps"}], tmp_path, "resumed")
+    all_ok(res, 3)
+    assert store.list() == ["checkpoint_5", "checkpoint_8"]
+    assert shard_bytes(store, "checkpoint_8") > 0
