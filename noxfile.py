@@ -191,7 +191,9 @@ MATRIX_TESTS = {
     "torch_contract": ["tests/integrations/test_torch_contract.py"],
     "flax": ["tests/compat/test_compat_flax.py", "tests/compat/test_compat_fjformer.py"],
     # real 2-process jax jobs (marked slow; named here, so they run)
-    "multihost": ["tests/system/test_multihost.py"],
+    "multihost": ["tests/system/test_multihost.py", "tests/system/test_multihost_tiers.py"],
+    # tiered checkpoints: uploads through the drivers, jax.monitoring events
+    "tiers": ["tests/manager/test_tiers.py"],
     # round trips of every dtype (bfloat16, float8, ...), jax targets, sharded arrays
     "pytree": ["tests/pytree/test_pytree.py", "tests/pytree/test_pytree_entry_points.py", "tests/pytree/test_pytree_hostile.py",
                "tests/pytree/test_pytree_jax_targets.py", "tests/pytree/test_sharded_format.py"],
@@ -236,7 +238,7 @@ MATRIX = {
     # and Orbax cannot be installed together: `lowest` has no orbax extra (flax 0.10.0
     # brings its own old Orbax, which only flax uses) and `lowest-orbax` tests the orbax
     # extra at its lower bound with the jax it forces.
-    "lowest": Cell(PYTHONS[0], "s3,gcs,jax,torch", True, ("torch", "flax", "multihost", "pytree", "drivers")),
+    "lowest": Cell(PYTHONS[0], "s3,gcs,jax,torch", True, ("torch", "flax", "multihost", "pytree", "drivers", "tiers")),
     "lowest-orbax": Cell(
         PYTHONS[0], "s3,gcs,jax,orbax", True, ("orbax",), also=("boto3",),
         # orbax-checkpoint 0.12.8 requires jax>=0.6.0, and jax 0.6.0 ml_dtypes>=0.5.0

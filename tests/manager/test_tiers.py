@@ -431,3 +431,18 @@ def test_an_overwrite_while_the_step_uploads_persists_the_new_save_and_no_error(
         shutil.rmtree(local)
     with manager(backend, local, keep=5) as m:
         assert same(m.restore(2), 20, 1 << 18)
+
+
+@pytest.mark.parametrize("doc", [b"not json", b"[]", b'{"files": 3}', b'{"files": [{"file": "s", "size": -1, '
+                                 b'"crc32c": 0, "by": 0}]}', b'{"files": [{"file": "s", "size": 1, "crc32c": 4294967296, '
+                                 b'"by": 0}]}', b'{"files": [{"file": 1, "size": 1, "crc32c": 1, "by": 0}]}',
+                                 b'{"files": [{"file": "s", "size": 1, "crc32c": 1}]}'])
+def test_a_hostile_parts_list_of_a_multihost_local_part_is_corruption_naming_it(tmp_path, doc):
+    from atomicstore.pytree.format import PARTS_FILE
+    from atomicstore.tiers import _parts  # (read by the tiered restore and upload)
+
+    st = atomicstore.open_store(str(tmp_path / "part"))
+    with st.transaction("checkpoint_1") as txn:
+        txn.write_bytes(PARTS_FILE, doc)
+    with pytest.raises(CorruptionError, match="checkpoint_1/parts.json"):
+        _parts(st.open("checkpoint_1"))
