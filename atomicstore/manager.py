@@ -373,8 +373,9 @@ class CheckpointManager:
 
     def _newer(self, step: Step, overwrite: bool) -> list[Step]:
         """The committed steps not older than ``step`` (what an overwrite replaces and
-        removes); without ``overwrite`` there must be none."""
-        steps = self.all_steps()
+        removes); without ``overwrite`` there must be none. With tiers, a persistent tier
+        that cannot be listed now does not stop a local save (see ``Tiers.steps``)."""
+        steps = self._tiers.steps(for_save=True) if self._tiers is not None else self.all_steps()
         newer = [s for s in steps if s >= step]
         if newer and not overwrite:
             raise InvalidArgumentError(

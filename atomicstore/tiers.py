@@ -186,10 +186,21 @@ class Tiers:
     def remote_steps(self) -> dict[Step, str | None]:
         return {s: g for n, g in self.remote.committed().items() if (s := self._step_of(n)) is not None}
 
-    def steps(self) -> list[Step]:
-        """Steps committed in either tier, in natural order."""
-        both = set(self.local_steps()) | set(self.remote_steps())
-        return sorted(both, key=lambda s: natural_key(str(s)))
+    def steps(self, *, for_save: bool = False) -> list[Step]:
+        """Steps committed in either tier, in natural order. ``for_save``: a persistent
+        tier that cannot be listed (a network partition) gives the local tier's steps,
+        with a warning: a save must not wait on the bucket (its upload will, and is
+        refused if the step turns out not to be new there)."""
+        local = set(self.local_steps())
+        try:
+            remote = set(self.remote_steps())
+        except StorageError as exc:
+            if not for_save:
+                raise
+            log.warning("the persistent tier %s cannot be listed (%s): the save checks the local tier's "
+                        "steps only", self.remote.url, exc)
+            remote = set()
+        return sorted(local | remote, key=lambda s: natural_key(str(s)))
 
     def manifest(self, step: Step) -> Manifest:
         """The manifest of ``step``: the local copy's if it has one, else the persistent one."""
@@ -293,7 +304,11 @@ class Tiers:
         due = [s for s, man in judged.items() if (man.metadata.get(TIER_KEY) or {}).get("due")]
         if due:  # the newest due step stays until it (or a newer step) is persisted
             newest = max(due)
-            if not any(r >= newest for r in self.remote_steps()):
+            try:
+                persisted = any(r >= newest for r in self.remote_steps())
+            except AtomicStoreError:  # (the persistent tier cannot be listed now: keep it)
+                persisted = False
+            if not persisted:
                 judged.pop(newest)
         for s, man in judged.items():
             try:  # only the save judged: never one committed since under that name
@@ -375,26 +390,36 @@ class Tiers:
                 up = self._current = self._queue.popleft()
             try:
                 self.persist(up)
-            except Superseded as exc:  # a newer save of the step is (or was) queued after it
-                log.info("upload of step %s skipped: %s", up.step, exc)
             except BaseException as exc:  # noqa: BLE001 - raised by wait_until_finished
-                log.error("upload of step %s to %s failed (the local copy stays): %s", up.step, self.remote.url, exc)
-                with self._lock:
-                    self._errors.append(exc)
+                if isinstance(exc, Superseded):  # a newer save of the step is (or was) queued after it
+                    log.info("upload of step %s skipped: %s", up.step, exc)
+                elif self._stop.is_set() and isinstance(exc, AtomicStoreError):
+                    log.info("upload of step %s abandoned (the manager closed on an error): %s", up.step, exc)
+                else:
+                    log.error("upload of step %s to %s failed (the local copy stays): %s", up.step,
+                              self.remote.url, exc)
+                    with self._lock:
+                        self._errors.append(exc)
             finally:
                 with self._lock:
                     self._current = None
                 up.done.set()
-            self.retain_local()
+            try:
+                self.retain_local()
+            except Exception as exc:  # noqa: BLE001 - housekeeping: the next save retains again
+                log.warning("local retention after the upload of step %s: %s", up.step, exc)
 
     def wait(self) -> None:
         """Until every queued upload ended."""
         while True:
             with self._lock:
                 t = self._thread
-            if t is None:
+            if t is None or t is threading.current_thread():
                 return
             t.join()
+            with self._lock:
+                if self._thread is t:  # (it ended without clearing itself: never wait on it again)
+                    self._thread = None
 
     def take_errors(self) -> list[BaseException]:
         with self._lock:
