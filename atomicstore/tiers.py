@@ -272,8 +272,9 @@ class Tiers:
                  "; persisting it" if due else "")
         if due:
             remote_replaced = {s: r for s, (_, r) in replaced.items()}
-            self.enqueue(_Upload(step, meta[TIER_KEY]["save"], remote_replaced.get(step) is not None,
-                                 remote_replaced))
+            # an overwrite of the step (in either tier) replaces it in the persistent tier too,
+            # also when the upload of the save it replaces commits there only after this call
+            self.enqueue(_Upload(step, meta[TIER_KEY]["save"], step in replaced, remote_replaced))
         self.retain_local()
         return meta
 
@@ -515,7 +516,7 @@ class Tiers:
                 for i in range(1, session.count):
                     rep = session.get(f"report/{i}", f"process {i}")
                     if "error" in rep:
-                        raise remote_error(session, rep)
+                        raise _remote(session, rep)
                     for path in rep["files"]:
                         entry = table.get(path)
                         if entry is None or by.get(path) != i:
@@ -531,7 +532,7 @@ class Tiers:
             return txn.manifest
         plan = session.get("plan", "process 0")
         if "error" in plan:
-            raise remote_error(session, plan)
+            raise _remote(session, plan)
         if plan.get("save") != up.save:
             raise PreconditionFailedError(f"{session.what}: process 0 persists another save of this step")
         for path in mine:
@@ -539,7 +540,7 @@ class Tiers:
         session.put(f"report/{session.index}", {"files": mine})
         out = session.get("outcome", "process 0", margin=session.margin)
         if not out.get("ok"):
-            raise remote_error(session, out)
+            raise _remote(session, out)
         return None
 
     def _after_persist(self, up: _Upload, meta: dict[str, Any]) -> None:
@@ -736,6 +737,15 @@ class Tiers:
 
     def close(self) -> None:
         self.local.close()
+
+
+def _remote(session: Session, report: dict[str, Any]) -> AtomicStoreError:
+    """The error process 0 published about an upload, to raise here: superseded there
+    (the save was replaced or deleted: every process replaced or deleted it, or will) is
+    superseded here too."""
+    if report.get("type") == Superseded.__name__:
+        return Superseded(f"{session.what}: process {report.get('process', 0)}: {report.get('error')}")
+    return remote_error(session, report)
 
 
 def _persisted_meta(meta: dict[str, Any]) -> dict[str, Any]:
