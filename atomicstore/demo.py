@@ -193,11 +193,7 @@ def run_tiers_demo(store: str = "local", directory: str | None = None, as_json: 
     base = directory or (os.path.dirname(url) if server is None else tempfile.mkdtemp(prefix="atomicstore-demo-"))
     machine1, machine2 = os.path.join(base, "machine-1", "local"), os.path.join(base, "machine-2", "local")
     rows: list[tuple[str, str]] = []
-
-    def say(stage: str, what: str) -> None:
-        rows.append((stage, what))
-        if not as_json:
-            print(f"[{stage}] {what}", flush=True)
+    say = _reporter(rows, as_json)
 
     try:
         say("store", f"persistent tier {url} ({'S3 fake on 127.0.0.1' if server else 'local disk'}); "
@@ -365,16 +361,23 @@ def _start_store(kind: str, directory: str | None) -> tuple[str, dict[str, Any],
     return server.url(bucket, "run"), server.storage_options(), server
 
 
-def run_demo(store: str = "local", directory: str | None = None, as_json: bool = False) -> int:
-    import atomicstore
-
-    url, options, server = _start_store(store, directory)
-    rows: list[tuple[str, str]] = []
+def _reporter(rows: list[tuple[str, str]], as_json: bool) -> Callable[[str, str], None]:
+    """``say(stage, what)``: kept in ``rows`` (the JSON report), printed unless ``as_json``."""
 
     def say(stage: str, what: str) -> None:
         rows.append((stage, what))
         if not as_json:
             print(f"[{stage}] {what}", flush=True)
+
+    return say
+
+
+def run_demo(store: str = "local", directory: str | None = None, as_json: bool = False) -> int:
+    import atomicstore
+
+    url, options, server = _start_store(store, directory)
+    rows: list[tuple[str, str]] = []
+    say = _reporter(rows, as_json)
 
     try:
         say("store", f"{url} ({'S3 fake on 127.0.0.1' if server else 'local disk'})")

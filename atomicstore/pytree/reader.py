@@ -413,15 +413,20 @@ def restore_with_manifest(
     return out
 
 
-def _restore(url_or_path: Any, target: Any, *, subtree: Selector, allow_missing: bool, shard_fns: Any,
-             threads: int | None, store: Store | None, storage_options: dict[str, Any],
-             session: Session | None) -> tuple[Any, Manifest | None]:
+def _read_options(threads: Any, allow_missing: Any, shard_fns: Any, subtree: Selector
+                  ) -> tuple[Callable[[Path, Any], Any] | None, Path]:
+    """The read options checked: the per-leaf function and the root of the subtree."""
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise InvalidArgumentError("threads must be a positive int")
     if not isinstance(allow_missing, bool):
         raise InvalidArgumentError("allow_missing must be a bool")
-    post = per_leaf_fn(shard_fns, "shard_fns")
-    root = _select(subtree) or ()
+    return per_leaf_fn(shard_fns, "shard_fns"), _select(subtree) or ()
+
+
+def _restore(url_or_path: Any, target: Any, *, subtree: Selector, allow_missing: bool, shard_fns: Any,
+             threads: int | None, store: Store | None, storage_options: dict[str, Any],
+             session: Session | None) -> tuple[Any, Manifest | None]:
+    post, root = _read_options(threads, allow_missing, shard_fns, subtree)
     st, name = locate(url_or_path, store=store, **storage_options)
     if session is not None and not session.main:
         ckpt, found = _open_as(st, name, session.await_plan())  # the save process 0 opened
@@ -605,12 +610,7 @@ def restore_opened(ckpt: Checkpoint, target: Any = None, *, subtree: Selector = 
     """Restore the tree of an already opened checkpoint, in this process alone (no
     coordination), e.g. one whose manifest the caller completed (a tiered manager's
     local part, :data:`~.format.PARTS_FILE`). Arguments as for :func:`restore`."""
-    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-        raise InvalidArgumentError("threads must be a positive int")
-    if not isinstance(allow_missing, bool):
-        raise InvalidArgumentError("allow_missing must be a bool")
-    post = per_leaf_fn(shard_fns, "shard_fns")
-    root = _select(subtree) or ()
+    post, root = _read_options(threads, allow_missing, shard_fns, subtree)
     if threads is None:
         threads = ckpt.store.driver.capabilities.io_threads
     return _read(ckpt.store, ckpt.name, ckpt, None, target, root, allow_missing, post, threads)

@@ -98,25 +98,34 @@ def split_tree(tree: Any, *, cast_dtype: np.dtype | None = None,
     return rebuild(tree, fn), leaves, arrays
 
 
-def local_shards(leaves: list[ShardedLeaf], arrays: list[Any], *, to_host: bool) -> list[LocalShard]:
-    """This process's share: every addressable shard with ``replica_id`` 0. With
-    ``to_host`` they are copied to host now (all transfers started first: the snapshot
-    of an async save); otherwise each is copied when it is written."""
+def _start(sh: Any, arr: Any) -> tuple[int, ...]:
+    return tuple(s.indices(n)[0] for s, n in zip(sh.index, arr.shape, strict=True)) if arr.ndim else ()
+
+
+def _picked(leaves: list[ShardedLeaf], arrays: list[Any], to_host: bool,
+            pick: Callable[[Any], list[tuple[tuple[int, ...], Any]]]) -> list[LocalShard]:
+    """The shards ``pick(array)`` gives (``(start, data)`` pairs), as LocalShards;
+    with ``to_host`` copied to host now (all transfers started first)."""
     out = []
     for leaf, arr in zip(leaves, arrays, strict=True):
-        for sh in arr.addressable_shards:
-            if sh.replica_id != 0:
-                continue
-            start = tuple(s.indices(n)[0] for s, n in zip(sh.index, arr.shape, strict=True)) if arr.ndim else ()
+        cast = leaf.dtype if leaf.dtype != np.dtype(arr.dtype) else None
+        for start, data in pick(arr):
             if to_host:
-                sh.data.copy_to_host_async()
-            cast = leaf.dtype if leaf.dtype != np.dtype(arr.dtype) else None
-            out.append(LocalShard(leaf.n, start, sh.data, cast))
+                data.copy_to_host_async()
+            out.append(LocalShard(leaf.n, start, data, cast))
     if to_host:
         for o in out:
             o.data = o.host()
             o.cast = None
     return out
+
+
+def local_shards(leaves: list[ShardedLeaf], arrays: list[Any], *, to_host: bool) -> list[LocalShard]:
+    """This process's share: every addressable shard with ``replica_id`` 0. With
+    ``to_host`` they are copied to host now (all transfers started first: the snapshot
+    of an async save); otherwise each is copied when it is written."""
+    return _picked(leaves, arrays, to_host,
+                   lambda arr: [(_start(sh, arr), sh.data) for sh in arr.addressable_shards if sh.replica_id == 0])
 
 
 def replica_shards(leaves: list[ShardedLeaf], arrays: list[Any], *, to_host: bool) -> list[LocalShard]:
@@ -124,27 +133,18 @@ def replica_shards(leaves: list[ShardedLeaf], arrays: list[Any], *, to_host: boo
     of its devices: another process writes them), one per distinct index: what a process
     needs besides its own share to read the arrays back alone, as laid out (a tiered
     manager's local part)."""
-    out = []
-    for leaf, arr in zip(leaves, arrays, strict=True):
+
+    def pick(arr: Any) -> list[tuple[tuple[int, ...], Any]]:
         seen: dict[tuple[int, ...], Any] = {}
         mine = set()
         for sh in arr.addressable_shards:
-            start = tuple(s.indices(n)[0] for s, n in zip(sh.index, arr.shape, strict=True)) if arr.ndim else ()
+            start = _start(sh, arr)
             if sh.replica_id == 0:
                 mine.add(start)
-            seen.setdefault(start, sh)
-        for start, sh in seen.items():
-            if start in mine:
-                continue
-            if to_host:
-                sh.data.copy_to_host_async()
-            cast = leaf.dtype if leaf.dtype != np.dtype(arr.dtype) else None
-            out.append(LocalShard(leaf.n, start, sh.data, cast))
-    if to_host:
-        for o in out:
-            o.data = o.host()
-            o.cast = None
-    return out
+            seen.setdefault(start, sh.data)
+        return [(start, data) for start, data in seen.items() if start not in mine]
+
+    return _picked(leaves, arrays, to_host, pick)
 
 
 def write_shard(store: Store, prefix: str, file: str, data: np.ndarray, block: int = SHARD_BLOCK
