@@ -1,0 +1,354 @@
+"""Tiered checkpoints on the cloud link: the targets of issue 25.
+
+A ``CheckpointManager(url, local_dir=...)`` commits each save to a local directory and
+persists it to ``url`` in the background (``atomicstore/tiers.py``). This benchmark puts
+the persistent tier behind the cloud link of ``benchmarks/cloud.py`` (a real SeaweedFS,
+``weed mini``, reached through ``benchmarks/shaper.py``: 8 MiB/s per connection each way,
++20 ms on every request and every response) and measures, for a state of a few float32
+numpy arrays (random bits):
+
+- **stall**: how long ``save`` blocks the caller with tiers
+  (``CheckpointManager(url, local_dir=tmp, async_save=False)``), against a local-disk
+  ``atomicstore.save`` of the same state (target: at most 1.2 x) and against a direct
+  ``CheckpointManager(url).save`` into the bucket;
+- **committed**: the time from ``save`` until the persistent copy is committed (``save``
+  + ``wait_until_finished()``) against the direct save (target: at most 1.1 x);
+- **restart, same machine**: a new manager on the same ``local_dir`` restoring the step
+  (from the local tier) against a local ``atomicstore.restore`` (target: at most 1.2 x);
+- **machine lost**: the local tier deleted, a new manager on an empty ``local_dir``
+  restoring from the persistent tier, against a direct ``CheckpointManager(url).restore``
+  through the same link (target: the cloud link's restore speed; read as at most 1.1 x);
+- **memory**: the process's peak resident memory while the state is saved and uploaded
+  (VmHWM, reset by writing "5" to ``/proc/self/clear_refs`` after the state was made)
+  minus its resident memory before the save (the state itself is allocated before),
+  against the store's in-flight budget (``max_inflight_bytes``, a driver setting) + 64 MiB.
+
+    python benchmarks/tiers.py                           # 1 GiB, median of 3 (~5 min)
+    python benchmarks/tiers.py --size 256 --repeat 1     # a quick look
+    nox -s bench -- --only tiers                         # the same as the first
+
+One SeaweedFS serves the whole run (``cloud.py``'s ``--serve`` child). Each round runs
+three client processes, one after the other, each with a fresh state and its own shaper
+in front of the server: ``local`` (the anchors on local disk), ``direct`` (the anchors on
+the bucket) and ``tiered``; the direct and tiered cases swap places every other round,
+so a slower server later in the run (SeaweedFS grows its volumes as data arrives) weighs
+on both alike. Managers and stores are made, and the store's conformance check run,
+before the timed region, as in ``cloud.py``; a restart's manager is made untimed too (its
+opening time is reported). Every restore is checked against the state saved, and the
+shaper's byte count says which tier each restore read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cloud  # noqa: E402  (the server, a SeaweedFS in a ``cloud.py --serve`` child, and the link's model)
+
+MiB = 2**20
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+#: memory the upload may use beyond the in-flight budget (the issue's target)
+SLACK = 64 * MiB
+#: the issue's targets: (measure, anchor, most) — ``restore_lost`` is "at the cloud link's
+#: restore speed", read as at most 1.1 x the direct restore
+TARGETS = {"stall": ("save_local", 1.2), "committed": ("save_direct", 1.1),
+           "restore_same": ("restore_local", 1.2), "restore_lost": ("restore_direct", 1.1)}
+
+
+# -- in the client process ----------------------------------------------------------------
+def state(total: int, leaves: int) -> dict[str, np.ndarray]:
+    """``leaves`` float32 arrays of ``total / leaves`` bytes, random bits."""
+    rng = np.random.default_rng(0)
+    n = total // leaves // 4
+    return {f"layer_{i}": rng.integers(0, 2**32, n, dtype=np.uint32).view(np.float32) for i in range(leaves)}
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak() -> int:
+    """Reset VmHWM to the resident memory now; return that."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def _warm_disk(tree: dict[str, np.ndarray], work: str) -> None:
+    """An untimed save of the state to local disk, deleted at once: the timed save then
+    gets page-cache pages the kernel just freed, as every save after a job's first does.
+    (On this VM memory first touched after it was freed costs a host fault: the first
+    1 GiB save of a process took 3.4 s, the next ones 1.0-1.2 s.)"""
+    import atomicstore
+
+    atomicstore.save(os.path.join(work, "warm", "step_0"), tree)
+    shutil.rmtree(os.path.join(work, "warm"))
+
+
+def _warm_memory(total: int) -> None:
+    """Touch and free ``total`` bytes before a timed restore, which allocates its result:
+    the allocation then gets pages freed just now, not pages the VM has to fault in from
+    its host (0.76 GiB/s here; the multi-process section of docs/benchmarks.md)."""
+    np.ones(total // 8 + MiB, dtype=np.float64)
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def _check(got: Any, tree: dict[str, np.ndarray]) -> None:
+    if sorted(got) != sorted(tree) or not all(np.array_equal(got[k].view(np.uint32), v.view(np.uint32))
+                                              for k, v in tree.items()):
+        raise AssertionError("the restored state differs from the state saved")
+
+
+def case_local(env: dict[str, Any], tree: dict[str, np.ndarray], work: str) -> dict[str, Any]:
+    """The local-disk anchors: ``atomicstore.save`` and ``atomicstore.restore`` (warm
+    cache: the save just wrote it, as for a restart on the same machine)."""
+    import atomicstore
+
+    path = os.path.join(work, "local", "step_1")
+    _warm_disk(tree, work)
+    before = _reset_peak()
+    t_save, _ = _timed(lambda: atomicstore.save(path, tree))
+    extra = _status("VmHWM") - before
+    _warm_memory(sum(a.nbytes for a in tree.values()))
+    t_restore, got = _timed(lambda: atomicstore.restore(path))
+    _check(got, tree)
+    return {"save_local": t_save, "restore_local": t_restore, "extra_local": extra}
+
+
+def _manager(env: dict[str, Any], link: Any, name: str, **kw: Any) -> Any:
+    from atomicstore import CheckpointManager
+
+    opts = dict(env["options"], endpoint_url=link.endpoint)
+    mgr = CheckpointManager(f"s3://{env['bucket']}/{name}", storage_options=opts, **kw)
+    mgr.store.conformance()  # once per endpoint and bucket per process, before timing
+    return mgr
+
+
+def _restore(link: Any, mgr_of: Callable[[], Any], tree: dict[str, np.ndarray]) -> tuple[float, float, float]:
+    """A restart: open a manager (timed apart), restore the latest step; seconds to open,
+    seconds to restore, MiB that came down the link during the restore."""
+    t_open, mgr = _timed(mgr_of)
+    before = link.stats()["bytes_down"]
+    _warm_memory(sum(a.nbytes for a in tree.values()))
+    try:
+        t, got = _timed(mgr.restore)
+        time.sleep(0.1)  # the shaper counts a burst once its direction was idle for 10 ms
+        down = (link.stats()["bytes_down"] - before) / MiB
+        _check(got, tree)
+    finally:
+        mgr.close()
+    return t_open, t, down
+
+
+def case_direct(env: dict[str, Any], tree: dict[str, np.ndarray], work: str) -> dict[str, Any]:
+    """The bucket anchors: ``CheckpointManager(url).save`` through the link, then a new
+    manager's ``restore``."""
+    from shaper import Shaper
+
+    with Shaper(env["host"], env["port"], env["mbps"], env["latency"]) as link:
+        mgr = _manager(env, link, env["name"])
+        before, cpu = _reset_peak(), time.process_time()
+        t_save, _ = _timed(lambda: mgr.save(1, tree))
+        cpu = time.process_time() - cpu
+        extra = _status("VmHWM") - before
+        mgr.close()
+        t_open, t_restore, down = _restore(link, lambda: _manager(env, link, env["name"]), tree)
+    return {"save_direct": t_save, "extra_direct": extra, "cpu_direct": cpu, "restore_direct": t_restore,
+            "open_direct": t_open, "down_direct": down}
+
+
+def case_tiered(env: dict[str, Any], tree: dict[str, np.ndarray], work: str) -> dict[str, Any]:
+    """``CheckpointManager(url, local_dir=..., async_save=False)``: the stall of ``save``,
+    the time until ``wait_until_finished`` (the persistent copy committed) and the peak
+    memory over both; then a restart on the same ``local_dir``, and one on an empty
+    ``local_dir`` (the machine lost)."""
+    from shaper import Shaper
+
+    local = os.path.join(work, "tier")
+    with Shaper(env["host"], env["port"], env["mbps"], env["latency"]) as link:
+        mgr = _manager(env, link, env["name"], local_dir=local, async_save=False)
+        budget = mgr.store.driver.max_inflight_bytes
+        _warm_disk(tree, work)
+        before, cpu = _reset_peak(), time.process_time()
+        t0 = time.perf_counter()
+        mgr.save(1, tree)
+        stall = time.perf_counter() - t0
+        mgr.wait_until_finished()
+        committed = time.perf_counter() - t0
+        cpu = time.process_time() - cpu
+        extra = _status("VmHWM") - before
+        states = {str(k): str(v) for k, v in mgr.tier_state().items()}
+        mgr.close()
+        if states != {"1": "persisted"}:
+            raise AssertionError(f"after wait_until_finished the tiers say {states}")
+        opened, same, down_same = _restore(
+            link, lambda: _manager(env, link, env["name"], local_dir=local), tree)
+        shutil.rmtree(local)
+        lost_dir = os.path.join(work, "new-machine")
+        opened_lost, lost, down_lost = _restore(
+            link, lambda: _manager(env, link, env["name"], local_dir=lost_dir), tree)
+    return {"stall": stall, "committed": committed, "upload": committed - stall, "extra_tiered": extra,
+            "cpu_tiered": cpu, "budget": budget, "restore_same": same, "down_same": down_same, "open_same": opened,
+            "restore_lost": lost, "down_lost": down_lost, "open_lost": opened_lost}
+
+
+CASES = {"local": case_local, "direct": case_direct, "tiered": case_tiered}
+
+
+def child(case: str, env: dict[str, Any], total: int, leaves: int) -> None:
+    try:  # the manager records jax.monitoring events: a job's first save would import jax
+        import jax.monitoring  # noqa: F401  (0.4 s, +128 MiB here), which later saves do not
+    except ImportError:
+        pass
+    work = tempfile.mkdtemp(prefix="asbench-tiers-", dir=os.environ.get("BENCH_DIR"))
+    try:
+        out = CASES[case](env, state(total, leaves), work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(out), flush=True)
+
+
+# -- the parent ---------------------------------------------------------------------------
+def _run_case(case: str, env: dict[str, Any], total: int, leaves: int) -> dict[str, Any]:
+    limit = 300 + 8 * total / (env["mbps"] * MiB)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--env", json.dumps(env),
+           "--bytes", str(total), "--leaves", str(leaves)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"tiers benchmark, case {case} failed:\n{out.stderr[-3000:]}")
+    res: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return res
+
+
+def measure(total: int, repeat: int, leaves: int) -> list[dict[str, Any]]:
+    """``repeat`` rounds of the three cases on one SeaweedFS; each round's results."""
+    srv = cloud._Server("s3")
+    try:
+        direct = srv.info["endpoint"]
+        host, port = direct.rsplit("//", 1)[1].rsplit(":", 1)
+        base = {"bucket": srv.info["bucket"], "options": srv.info["options"], "host": host, "port": int(port),
+                "mbps": cloud.MBPS, "latency": cloud.LATENCY}
+        rounds = []
+        for k in range(repeat):
+            order = ["local", "direct", "tiered"] if k % 2 == 0 else ["local", "tiered", "direct"]
+            res: dict[str, Any] = {}
+            for case in order:
+                res |= _run_case(case, dict(base, name=f"{case}-{k}"), total, leaves)
+            _log_round(k, res)
+            rounds.append(res)
+    finally:
+        srv.stop()
+    return rounds
+
+
+def _log_round(k: int, r: dict[str, Any]) -> None:
+    print(f"tiers round {k}: stall {r['stall']:.2f} s (local save {r['save_local']:.2f}, direct save "
+          f"{r['save_direct']:.2f}); committed {r['committed']:.2f} s; restore same machine "
+          f"{r['restore_same']:.2f} s ({r['down_same']:.1f} MiB down the link; local restore "
+          f"{r['restore_local']:.2f}), machine lost {r['restore_lost']:.2f} s ({r['down_lost']:.0f} MiB; "
+          f"direct {r['restore_direct']:.2f}); extra peak RSS tiered {r['extra_tiered'] / MiB:.0f} MiB, "
+          f"direct {r['extra_direct'] / MiB:.0f}, local {r['extra_local'] / MiB:.0f}",
+          file=sys.stderr, flush=True)
+
+
+def _med(rounds: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rounds)
+
+
+def _cell(rounds: list[dict[str, Any]], key: str) -> str:
+    vals = [r[key] for r in rounds]
+    med = statistics.median(vals)
+    return f"{med:.2f} ({min(vals):.2f}–{max(vals):.2f})" if len(vals) > 1 else f"{med:.2f}"
+
+
+def _ratio(rounds: list[dict[str, Any]], key: str, anchor: str) -> float:
+    """The median of the per-round ratios (each round's cases ran back to back)."""
+    return statistics.median(r[key] / r[anchor] for r in rounds)
+
+
+def tiers_table(total: int, repeat: int = 3, leaves: int = 4) -> list[dict[str, Any]]:
+    """Measure and print the Markdown table of the tier targets; the rounds' results."""
+    t0 = time.monotonic()
+    rounds = measure(total, repeat, leaves)
+    seconds = time.monotonic() - t0
+    budget = rounds[0]["budget"]
+    print(f"\ntiered checkpoints (issue 25): {total // MiB} MiB ({leaves} float32 leaves), persistent tier "
+          f"SeaweedFS behind the cloud link ({cloud.MBPS:g} MiB/s per connection, +{cloud.LATENCY * 1000:g} ms "
+          f"on every request and response), local tier and anchors on local disk; seconds, median (min–max) of "
+          f"{repeat} round(s); ratio: median of the per-round ratios. {seconds:.0f} s in all.\n")
+    print("| measure | with tiers | anchor | anchor time | × anchor | direct to the bucket | × direct | target | met |")
+    print("|---|---:|---|---:|---:|---:|---:|---|---|")
+    rows = [("caller's stall per save", "stall", "local `atomicstore.save`", "save_local", "save_direct"),
+            ("persistent copy committed (save + `wait_until_finished`)", "committed", "", "", "save_direct"),
+            ("restore after a restart, local tier present", "restore_same", "local `atomicstore.restore`",
+             "restore_local", "restore_direct"),
+            ("restore after losing the machine (local tier deleted)", "restore_lost", "", "", "restore_direct")]
+    for title, key, anchor_name, anchor, direct in rows:
+        target_anchor, most = TARGETS[key]
+        ratio = _ratio(rounds, key, target_anchor)
+        met = "yes" if ratio <= most else f"**no** ({ratio:.2f} ×)"
+        target = f"≤ {most:g} × {'local' if target_anchor == anchor else 'direct'}"
+        a_cell = _cell(rounds, anchor) if anchor else "–"
+        a_ratio = f"{_ratio(rounds, key, anchor):.2f}" if anchor else "–"
+        print(f"| {title} | {_cell(rounds, key)} | {anchor_name or '–'} | {a_cell} | {a_ratio} | "
+              f"{_cell(rounds, direct)} | {_ratio(rounds, key, direct):.2f} | {target} | {met} |")
+    extra = max(r["extra_tiered"] for r in rounds)
+    limit = budget + SLACK
+    met = "yes" if extra <= limit else f"**no** (+{(extra - limit) / MiB:.0f} MiB)"
+    print(f"| extra peak RSS, save + upload (MiB, largest of the rounds) | {extra / MiB:.0f} | local save | "
+          f"{max(r['extra_local'] for r in rounds) / MiB:.0f} | – | {max(r['extra_direct'] for r in rounds) / MiB:.0f} "
+          f"| – | ≤ in-flight budget {budget // MiB} + 64 = {limit // MiB} | {met} |")
+    print(f"\n- bytes down the link during a restore: local tier present {_med(rounds, 'down_same'):.2f} MiB, "
+          f"machine lost {_med(rounds, 'down_lost'):.0f} MiB, direct {_med(rounds, 'down_direct'):.0f} MiB "
+          f"(medians); the upload alone (committed − stall) {_cell(rounds, 'upload')} s")
+    print(f"- opening the manager after the restart (untimed above): local tier present "
+          f"{_cell(rounds, 'open_same')} s, machine lost {_cell(rounds, 'open_lost')} s, direct "
+          f"{_cell(rounds, 'open_direct')} s")
+    print(f"- CPU time of the client process (all threads): direct save {_cell(rounds, 'cpu_direct')} s, "
+          f"tiered save + upload {_cell(rounds, 'cpu_tiered')} s")
+    sys.stdout.flush()
+    return rounds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child", choices=sorted(CASES))
+    ap.add_argument("--env")
+    ap.add_argument("--bytes", type=int, default=None)
+    ap.add_argument("--size", type=float, default=1024, help="MiB of state (default 1024)")
+    ap.add_argument("--leaves", type=int, default=4, help="float32 arrays the state is made of")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds (the median is reported)")
+    args = ap.parse_args()
+    total = args.bytes or int(args.size * MiB)
+    if args.child:
+        child(args.child, json.loads(args.env), total, args.leaves)
+        return
+    tiers_table(total, args.repeat, args.leaves)
+
+
+if __name__ == "__main__":
+    main()
