@@ -27,15 +27,20 @@ numpy arrays (random bits):
     python benchmarks/tiers.py --size 256 --repeat 1     # a quick look
     nox -s bench -- --only tiers                         # the same as the first
 
-One SeaweedFS serves the whole run (``cloud.py``'s ``--serve`` child). Each round runs
-three client processes, one after the other, each with a fresh state and its own shaper
-in front of the server: ``local`` (the anchors on local disk), ``direct`` (the anchors on
-the bucket) and ``tiered``; the direct and tiered cases swap places every other round,
-so a slower server later in the run (SeaweedFS grows its volumes as data arrives) weighs
-on both alike. Managers and stores are made, and the store's conformance check run,
-before the timed region, as in ``cloud.py``; a restart's manager is made untimed too (its
-opening time is reported). Every restore is checked against the state saved, and the
-shaper's byte count says which tier each restore read.
+One SeaweedFS serves the whole run (``cloud.py``'s ``--serve`` child). Each round is one
+client process, with a fresh state and its own shaper in front of the server: it saves
+the state to local disk (the anchor), with tiers, and directly into the bucket; then
+restores it from local disk (``atomicstore.restore`` of the local tier's copy, a plain
+checkpoint), with a restarted tiered manager, directly from the bucket, and with a tiered
+manager on an empty ``local_dir`` once the local tier is deleted. Odd rounds run each
+group in the reverse order, so each tiered measure sits next to its anchors and a slower
+machine or server for a while weighs on both alike. The stores are made and their
+conformance check run before the timed region, as in ``cloud.py``; a restarted manager
+is made untimed too (its opening time is reported apart). Every restore is checked
+against the state saved, and the shaper's byte count shows which tier each one read.
+Before each timed save to local disk an untimed one is made and deleted, and memory is
+touched and freed before each timed restore (see ``_warm_disk`` and ``_warm_memory``);
+``jax.monitoring`` is imported first (see ``child``).
 """
 
 from __future__ import annotations
@@ -123,22 +128,6 @@ def _check(got: Any, tree: dict[str, np.ndarray]) -> None:
         raise AssertionError("the restored state differs from the state saved")
 
 
-def case_local(env: dict[str, Any], tree: dict[str, np.ndarray], work: str) -> dict[str, Any]:
-    """The local-disk anchors: ``atomicstore.save`` and ``atomicstore.restore`` (warm
-    cache: the save just wrote it, as for a restart on the same machine)."""
-    import atomicstore
-
-    path = os.path.join(work, "local", "step_1")
-    _warm_disk(tree, work)
-    before = _reset_peak()
-    t_save, _ = _timed(lambda: atomicstore.save(path, tree))
-    extra = _status("VmHWM") - before
-    _warm_memory(sum(a.nbytes for a in tree.values()))
-    t_restore, got = _timed(lambda: atomicstore.restore(path))
-    _check(got, tree)
-    return {"save_local": t_save, "restore_local": t_restore, "extra_local": extra}
-
-
 def _manager(env: dict[str, Any], link: Any, name: str, **kw: Any) -> Any:
     from atomicstore import CheckpointManager
 
@@ -148,104 +137,161 @@ def _manager(env: dict[str, Any], link: Any, name: str, **kw: Any) -> Any:
     return mgr
 
 
-def _restore(link: Any, mgr_of: Callable[[], Any], tree: dict[str, np.ndarray]) -> tuple[float, float, float]:
-    """A restart: open a manager (timed apart), restore the latest step; seconds to open,
-    seconds to restore, MiB that came down the link during the restore."""
-    t_open, mgr = _timed(mgr_of)
-    before = link.stats()["bytes_down"]
-    _warm_memory(sum(a.nbytes for a in tree.values()))
-    try:
-        t, got = _timed(mgr.restore)
-        time.sleep(0.1)  # the shaper counts a burst once its direction was idle for 10 ms
-        down = (link.stats()["bytes_down"] - before) / MiB
-        _check(got, tree)
-    finally:
-        mgr.close()
-    return t_open, t, down
+class Run:
+    """One round in one client process: the state, the link, where things go."""
+
+    def __init__(self, env: dict[str, Any], tree: dict[str, np.ndarray], work: str, link: Any) -> None:
+        self.env, self.tree, self.work, self.link = env, tree, work, link
+        self.total = sum(a.nbytes for a in tree.values())
+        self.local = os.path.join(work, "tier")
+
+    def name(self, what: str) -> str:
+        return f"{what}-{self.env['round']}"
 
 
-def case_direct(env: dict[str, Any], tree: dict[str, np.ndarray], work: str) -> dict[str, Any]:
-    """The bucket anchors: ``CheckpointManager(url).save`` through the link, then a new
-    manager's ``restore``."""
-    from shaper import Shaper
+def save_local(r: Run) -> dict[str, Any]:
+    """The local-disk anchor: ``atomicstore.save`` (deleted afterwards)."""
+    import atomicstore
 
-    with Shaper(env["host"], env["port"], env["mbps"], env["latency"]) as link:
-        mgr = _manager(env, link, env["name"])
-        before, cpu = _reset_peak(), time.process_time()
-        t_save, _ = _timed(lambda: mgr.save(1, tree))
-        cpu = time.process_time() - cpu
-        extra = _status("VmHWM") - before
-        mgr.close()
-        t_open, t_restore, down = _restore(link, lambda: _manager(env, link, env["name"]), tree)
-    return {"save_direct": t_save, "extra_direct": extra, "cpu_direct": cpu, "restore_direct": t_restore,
-            "open_direct": t_open, "down_direct": down}
+    path = os.path.join(r.work, "local", "step_1")
+    _warm_disk(r.tree, r.work)
+    before = _reset_peak()
+    t, _ = _timed(lambda: atomicstore.save(path, r.tree))
+    extra = _status("VmHWM") - before
+    shutil.rmtree(os.path.dirname(path))
+    return {"save_local": t, "extra_local": extra}
 
 
-def case_tiered(env: dict[str, Any], tree: dict[str, np.ndarray], work: str) -> dict[str, Any]:
+def save_direct(r: Run) -> dict[str, Any]:
+    """The bucket anchor: ``CheckpointManager(url).save`` through the link."""
+    mgr = _manager(r.env, r.link, r.name("direct"))
+    before, cpu = _reset_peak(), time.process_time()
+    t, _ = _timed(lambda: mgr.save(1, r.tree))
+    cpu = time.process_time() - cpu
+    extra = _status("VmHWM") - before
+    mgr.close()
+    return {"save_direct": t, "extra_direct": extra, "cpu_direct": cpu}
+
+
+def save_tiered(r: Run) -> dict[str, Any]:
     """``CheckpointManager(url, local_dir=..., async_save=False)``: the stall of ``save``,
-    the time until ``wait_until_finished`` (the persistent copy committed) and the peak
-    memory over both; then a restart on the same ``local_dir``, and one on an empty
-    ``local_dir`` (the machine lost)."""
+    the time until ``wait_until_finished`` returned (the persistent copy committed) and
+    the peak memory over both."""
+    mgr = _manager(r.env, r.link, r.name("tiered"), local_dir=r.local, async_save=False)
+    budget = mgr.store.driver.max_inflight_bytes
+    _warm_disk(r.tree, r.work)
+    before, cpu = _reset_peak(), time.process_time()
+    t0 = time.perf_counter()
+    mgr.save(1, r.tree)
+    stall = time.perf_counter() - t0
+    mgr.wait_until_finished()
+    committed = time.perf_counter() - t0
+    cpu = time.process_time() - cpu
+    extra = _status("VmHWM") - before
+    states = {str(k): str(v) for k, v in mgr.tier_state().items()}
+    mgr.close()
+    if states != {"1": "persisted"}:
+        raise AssertionError(f"after wait_until_finished the tiers say {states}")
+    return {"stall": stall, "committed": committed, "upload": committed - stall, "extra_tiered": extra,
+            "cpu_tiered": cpu, "budget": budget}
+
+
+def _restore(r: Run, key: str, mgr_of: Callable[[], Any] | None, fn: Callable[[Any], Any]) -> dict[str, Any]:
+    """Time ``fn(manager)`` (the manager made first by ``mgr_of``, timed apart: a
+    restart's opening), after memory was warmed; check the result; count the bytes that
+    came down the link."""
+    t_open, mgr = _timed(mgr_of) if mgr_of is not None else (0.0, None)
+    before = r.link.stats()["bytes_down"]
+    _warm_memory(r.total)
+    try:
+        t, got = _timed(lambda: fn(mgr))
+        time.sleep(0.1)  # the shaper counts a burst once its direction was idle for 10 ms
+        down = (r.link.stats()["bytes_down"] - before) / MiB
+        _check(got, r.tree)
+        del got
+    finally:
+        if mgr is not None:
+            mgr.close()
+    return {f"restore_{key}": t, f"down_{key}": down, f"open_{key}": t_open}
+
+
+def restore_local(r: Run) -> dict[str, Any]:
+    """The local-disk anchor: ``atomicstore.restore`` of the local tier's copy (a plain
+    checkpoint on local disk, in the page cache as after a restart on the same machine)."""
+    import atomicstore
+
+    return _restore(r, "local", None, lambda _: atomicstore.restore(os.path.join(r.local, "checkpoint_1")))
+
+
+def restore_same(r: Run) -> dict[str, Any]:
+    """A restart on the same machine: a new manager on the same ``local_dir``."""
+    return _restore(r, "same", lambda: _manager(r.env, r.link, r.name("tiered"), local_dir=r.local),
+                    lambda m: m.restore())
+
+
+def restore_lost(r: Run) -> dict[str, Any]:
+    """The machine lost: the local tier deleted, a new manager on an empty ``local_dir``."""
+    shutil.rmtree(r.local)
+    lost = os.path.join(r.work, "new-machine")
+    return _restore(r, "lost", lambda: _manager(r.env, r.link, r.name("tiered"), local_dir=lost),
+                    lambda m: m.restore())
+
+
+def restore_direct(r: Run) -> dict[str, Any]:
+    """The bucket anchor: a new ``CheckpointManager(url)``'s ``restore`` through the link."""
+    return _restore(r, "direct", lambda: _manager(r.env, r.link, r.name("direct")), lambda m: m.restore())
+
+
+#: a round's steps; odd rounds reverse each group (restore_lost deletes the local tier: it
+#: comes after restore_local and restore_same either way)
+SAVES = [(save_local, save_tiered, save_direct)]
+RESTORES = [(restore_local, restore_same), (restore_direct, restore_lost)]
+
+
+def run_round(env: dict[str, Any], tree: dict[str, np.ndarray], work: str) -> dict[str, Any]:
+    """Every measure of one round, in one process: each anchor next to the tiered measure
+    it is compared with (alternating which goes first), so a slower machine or server
+    for a while weighs on both alike."""
     from shaper import Shaper
 
-    local = os.path.join(work, "tier")
+    out: dict[str, Any] = {}
     with Shaper(env["host"], env["port"], env["mbps"], env["latency"]) as link:
-        mgr = _manager(env, link, env["name"], local_dir=local, async_save=False)
-        budget = mgr.store.driver.max_inflight_bytes
-        _warm_disk(tree, work)
-        before, cpu = _reset_peak(), time.process_time()
-        t0 = time.perf_counter()
-        mgr.save(1, tree)
-        stall = time.perf_counter() - t0
-        mgr.wait_until_finished()
-        committed = time.perf_counter() - t0
-        cpu = time.process_time() - cpu
-        extra = _status("VmHWM") - before
-        states = {str(k): str(v) for k, v in mgr.tier_state().items()}
-        mgr.close()
-        if states != {"1": "persisted"}:
-            raise AssertionError(f"after wait_until_finished the tiers say {states}")
-        opened, same, down_same = _restore(
-            link, lambda: _manager(env, link, env["name"], local_dir=local), tree)
-        shutil.rmtree(local)
-        lost_dir = os.path.join(work, "new-machine")
-        opened_lost, lost, down_lost = _restore(
-            link, lambda: _manager(env, link, env["name"], local_dir=lost_dir), tree)
-    return {"stall": stall, "committed": committed, "upload": committed - stall, "extra_tiered": extra,
-            "cpu_tiered": cpu, "budget": budget, "restore_same": same, "down_same": down_same, "open_same": opened,
-            "restore_lost": lost, "down_lost": down_lost, "open_lost": opened_lost}
+        r = Run(env, tree, work, link)
+        order = -1 if env["round"] % 2 else 1
+        for group in SAVES + RESTORES:
+            for step in group[::order]:
+                out |= step(r)
+    return out
 
 
-CASES = {"local": case_local, "direct": case_direct, "tiered": case_tiered}
-
-
-def child(case: str, env: dict[str, Any], total: int, leaves: int) -> None:
+def child(env: dict[str, Any], total: int, leaves: int) -> None:
     try:  # the manager records jax.monitoring events: a job's first save would import jax
         import jax.monitoring  # noqa: F401  (0.4 s, +128 MiB here), which later saves do not
     except ImportError:
         pass
     work = tempfile.mkdtemp(prefix="asbench-tiers-", dir=os.environ.get("BENCH_DIR"))
     try:
-        out = CASES[case](env, state(total, leaves), work)
+        out = run_round(env, state(total, leaves), work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out), flush=True)
 
 
 # -- the parent ---------------------------------------------------------------------------
-def _run_case(case: str, env: dict[str, Any], total: int, leaves: int) -> dict[str, Any]:
+def _run_round(env: dict[str, Any], total: int, leaves: int) -> dict[str, Any]:
     limit = 300 + 8 * total / (env["mbps"] * MiB)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--env", json.dumps(env),
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--env", json.dumps(env),
            "--bytes", str(total), "--leaves", str(leaves)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, cwd=ROOT)
     if out.returncode != 0:
-        raise RuntimeError(f"tiers benchmark, case {case} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"tiers benchmark, round {env['round']} failed:\n{out.stderr[-3000:]}")
     res: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return res
 
 
 def measure(total: int, repeat: int, leaves: int) -> list[dict[str, Any]]:
-    """``repeat`` rounds of the three cases on one SeaweedFS; each round's results."""
+    """``repeat`` rounds on one SeaweedFS, each in a client process of its own; each
+    round's results."""
     srv = cloud._Server("s3")
     try:
         direct = srv.info["endpoint"]
@@ -254,10 +300,7 @@ def measure(total: int, repeat: int, leaves: int) -> list[dict[str, Any]]:
                 "mbps": cloud.MBPS, "latency": cloud.LATENCY}
         rounds = []
         for k in range(repeat):
-            order = ["local", "direct", "tiered"] if k % 2 == 0 else ["local", "tiered", "direct"]
-            res: dict[str, Any] = {}
-            for case in order:
-                res |= _run_case(case, dict(base, name=f"{case}-{k}"), total, leaves)
+            res = _run_round(dict(base, round=k), total, leaves)
             _log_round(k, res)
             rounds.append(res)
     finally:
@@ -336,7 +379,7 @@ def tiers_table(total: int, repeat: int = 3, leaves: int = 4) -> list[dict[str, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--child", choices=sorted(CASES))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--env")
     ap.add_argument("--bytes", type=int, default=None)
     ap.add_argument("--size", type=float, default=1024, help="MiB of state (default 1024)")
@@ -345,7 +388,7 @@ def main() -> None:
     args = ap.parse_args()
     total = args.bytes or int(args.size * MiB)
     if args.child:
-        child(args.child, json.loads(args.env), total, args.leaves)
+        child(json.loads(args.env), total, args.leaves)
         return
     tiers_table(total, args.repeat, args.leaves)
 
