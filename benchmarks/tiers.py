@@ -8,9 +8,10 @@ the persistent tier behind the cloud link of ``benchmarks/cloud.py`` (a real Sea
 numpy arrays (random bits):
 
 - **stall**: how long ``save`` blocks the caller with tiers
-  (``CheckpointManager(url, local_dir=tmp, async_save=False)``), against a local-disk
+  (``CheckpointManager(url, local_dir=tmp, async_save=False, local_keep=1)``; its second
+  save, so that retention deletes the first step as in a training loop), against a local-disk
   ``atomicstore.save`` of the same state (target: at most 1.2 x) and against a direct
-  ``CheckpointManager(url).save`` into the bucket;
+  ``CheckpointManager(url).save`` into the bucket (its second save too);
 - **committed**: the time from ``save`` until the persistent copy is committed (``save``
   + ``wait_until_finished()``) against the direct save (target: at most 1.1 x);
 - **restart, same machine**: a new manager on the same ``local_dir`` restoring the step
@@ -163,37 +164,48 @@ def save_local(r: Run) -> dict[str, Any]:
 
 
 def save_direct(r: Run) -> dict[str, Any]:
-    """The bucket anchor: ``CheckpointManager(url).save`` through the link."""
+    """The bucket anchor: ``CheckpointManager(url).save`` through the link, the second
+    save of the manager (retention then deletes the first, inside ``save``, as in a
+    training loop); the first save's time is kept too."""
     mgr = _manager(r.env, r.link, r.name("direct"))
+    first, _ = _timed(lambda: mgr.save(1, r.tree))
     before, cpu = _reset_peak(), time.process_time()
-    t, _ = _timed(lambda: mgr.save(1, r.tree))
+    t, _ = _timed(lambda: mgr.save(2, r.tree))
     cpu = time.process_time() - cpu
     extra = _status("VmHWM") - before
     mgr.close()
-    return {"save_direct": t, "extra_direct": extra, "cpu_direct": cpu}
+    return {"save_direct": t, "save_direct_first": first, "extra_direct": extra, "cpu_direct": cpu}
+
+
+def _tiered_save(mgr: Any, step: int, tree: dict[str, np.ndarray]) -> tuple[float, float]:
+    """The stall of ``save`` and the time until ``wait_until_finished`` returned."""
+    t0 = time.perf_counter()
+    mgr.save(step, tree)
+    stall = time.perf_counter() - t0
+    mgr.wait_until_finished()
+    return stall, time.perf_counter() - t0
 
 
 def save_tiered(r: Run) -> dict[str, Any]:
-    """``CheckpointManager(url, local_dir=..., async_save=False)``: the stall of ``save``,
-    the time until ``wait_until_finished`` returned (the persistent copy committed) and
-    the peak memory over both."""
-    mgr = _manager(r.env, r.link, r.name("tiered"), local_dir=r.local, async_save=False)
+    """``CheckpointManager(url, local_dir=..., async_save=False, local_keep=1)``: the stall
+    of ``save``, the time until the persistent copy is committed and the peak memory over
+    both, for the second save of the manager (retention then deletes the first step from
+    the local tier, inside ``save``, and from the persistent tier after the upload, as in
+    a training loop); the first save's times are kept too."""
+    mgr = _manager(r.env, r.link, r.name("tiered"), local_dir=r.local, async_save=False, local_keep=1)
     budget = mgr.store.driver.max_inflight_bytes
+    first = _tiered_save(mgr, 1, r.tree)
     _warm_disk(r.tree, r.work)
     before, cpu = _reset_peak(), time.process_time()
-    t0 = time.perf_counter()
-    mgr.save(1, r.tree)
-    stall = time.perf_counter() - t0
-    mgr.wait_until_finished()
-    committed = time.perf_counter() - t0
+    stall, committed = _tiered_save(mgr, 2, r.tree)
     cpu = time.process_time() - cpu
     extra = _status("VmHWM") - before
     states = {str(k): str(v) for k, v in mgr.tier_state().items()}
     mgr.close()
-    if states != {"1": "persisted"}:
+    if states != {"2": "persisted"}:
         raise AssertionError(f"after wait_until_finished the tiers say {states}")
     return {"stall": stall, "committed": committed, "upload": committed - stall, "extra_tiered": extra,
-            "cpu_tiered": cpu, "budget": budget}
+            "stall_first": first[0], "committed_first": first[1], "cpu_tiered": cpu, "budget": budget}
 
 
 def _restore(r: Run, key: str, mgr_of: Callable[[], Any] | None, fn: Callable[[Any], Any]) -> dict[str, Any]:
@@ -220,7 +232,7 @@ def restore_local(r: Run) -> dict[str, Any]:
     checkpoint on local disk, in the page cache as after a restart on the same machine)."""
     import atomicstore
 
-    return _restore(r, "local", None, lambda _: atomicstore.restore(os.path.join(r.local, "checkpoint_1")))
+    return _restore(r, "local", None, lambda _: atomicstore.restore(os.path.join(r.local, "checkpoint_2")))
 
 
 def restore_same(r: Run) -> dict[str, Any]:
@@ -309,7 +321,7 @@ def measure(total: int, repeat: int, leaves: int) -> list[dict[str, Any]]:
 
 
 def _log_round(k: int, r: dict[str, Any]) -> None:
-    print(f"tiers round {k}: stall {r['stall']:.2f} s (local save {r['save_local']:.2f}, direct save "
+    print(f"tiers round {k}: stall {r['stall']:.2f} s (first save {r['stall_first']:.2f}) (local save {r['save_local']:.2f}, direct save "
           f"{r['save_direct']:.2f}); committed {r['committed']:.2f} s; restore same machine "
           f"{r['restore_same']:.2f} s ({r['down_same']:.1f} MiB down the link; local restore "
           f"{r['restore_local']:.2f}), machine lost {r['restore_lost']:.2f} s ({r['down_lost']:.0f} MiB; "
@@ -371,6 +383,10 @@ def tiers_table(total: int, repeat: int = 3, leaves: int = 4) -> list[dict[str, 
     print(f"- opening the manager after the restart (untimed above): local tier present "
           f"{_cell(rounds, 'open_same')} s, machine lost {_cell(rounds, 'open_lost')} s, direct "
           f"{_cell(rounds, 'open_direct')} s")
+    print(f"- the first save of each manager (nothing to delete yet): stall {_cell(rounds, 'stall_first')} s "
+          f"({_ratio(rounds, 'stall_first', 'save_local'):.2f} × local), committed {_cell(rounds, 'committed_first')} s "
+          f"({_ratio(rounds, 'committed_first', 'save_direct_first'):.2f} × the first direct save, "
+          f"{_cell(rounds, 'save_direct_first')} s)")
     print(f"- CPU time of the client process (all threads): direct save {_cell(rounds, 'cpu_direct')} s, "
           f"tiered save + upload {_cell(rounds, 'cpu_tiered')} s")
     sys.stdout.flush()
