@@ -10,7 +10,7 @@ during the operation minus RSS before it). Prints a Markdown table with ratios.
     nox -s bench -- --only integrations            # torch DCP and Orbax: stock storage vs atomicstore
     nox -s bench -- --only cloud --cloud-sizes 256,1024   # S3/GCS clients through a shaped link
     nox -s bench -- --only cluster --quick         # a SeaweedFS cluster losing a volume server (256 MiB)
-    nox -s bench -- --only tiers                   # tiered checkpoints on the cloud link (1 GiB, ~4 min)
+    nox -s bench -- --only tiers                   # tiered checkpoints on the cloud link (1 GiB, 3 rounds, ~5 min)
 """
 
 from __future__ import annotations
