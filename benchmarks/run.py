@@ -10,6 +10,7 @@ during the operation minus RSS before it). Prints a Markdown table with ratios.
     nox -s bench -- --only integrations            # torch DCP and Orbax: stock storage vs atomicstore
     nox -s bench -- --only cloud --cloud-sizes 256,1024   # S3/GCS clients through a shaped link
     nox -s bench -- --only cluster --quick         # a SeaweedFS cluster losing a volume server (256 MiB)
+    nox -s bench -- --only tiers                   # tiered checkpoints on the cloud link (1 GiB, 3 rounds, ~5 min)
 """
 
 from __future__ import annotations
@@ -450,15 +451,20 @@ def main() -> None:
     ap.add_argument("--leaf", type=int, default=ARRAY_BYTES)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="256 MiB instead of 1 GiB, no 4 GiB case")
-    ap.add_argument("--only", choices=["all", "single", "multihost", "integrations", "cloud", "cluster"],
+    ap.add_argument("--only", choices=["all", "single", "multihost", "integrations", "cloud", "cluster", "tiers"],
                     default="all",
                     help="single: the one-process cases against the anchors; multihost: the multi-process table; "
                          "integrations: torch DCP and Orbax, stock storage against atomicstore's; "
                          "cloud: S3/GCS clients on a shaped link (benchmarks/cloud.py); cluster: a SeaweedFS "
-                         "cluster losing a volume server mid-save and mid-restore (benchmarks/cluster.py)")
+                         "cluster losing a volume server mid-save and mid-restore (benchmarks/cluster.py); tiers: "
+                         "CheckpointManager(url, local_dir=...) against local disk and the bucket on the cloud "
+                         "link (benchmarks/tiers.py)")
     ap.add_argument("--cloud-sizes", default="256", help="cloud link table: total MiB per case, comma-separated "
                     "(256: ~12 min per run of every case, 1024: ~40 min)")
     ap.add_argument("--cloud-repeat", type=int, default=1, help="runs per cloud case")
+    ap.add_argument("--tiers-size", type=float, default=None,
+                    help="tiers: MiB of state (default: --bytes, --quick: 256)")
+    ap.add_argument("--tiers-repeat", type=int, default=None, help="tiers: rounds (default: --repeat)")
     ap.add_argument("--mp-sizes", default=None,
                     help="multi-process array sizes in MiB, comma-separated (default: --bytes and 4 x --bytes; "
                          "--quick: 256)")
@@ -480,6 +486,10 @@ def main() -> None:
 
         if any(str(r["outcome"]).startswith("VIOLATION") for r in cluster.cluster_table(total)):
             raise SystemExit("cluster: the contract was broken (see the table)")
+    if args.only in ("all", "tiers"):
+        import tiers  # benchmarks/tiers.py: the targets of issue 25 on the cloud link
+
+        tiers.tiers_table(int(args.tiers_size * MiB) if args.tiers_size else total, args.tiers_repeat or args.repeat)
     if args.only in ("all", "integrations"):
         table([(title, size, ARRAY_BYTES, op, libs) for title, size, op, libs in integrations.groups(total)],
               args.repeat, "the stock storage of the same library")
