@@ -22,6 +22,8 @@ save. See ``docs/tiers.md``.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import dataclasses
 import enum
 import json
@@ -37,7 +39,7 @@ from typing import Any
 
 from .commit import Store, open_store
 from .commit.locator import is_local
-from .commit.manifest import FileEntry, Manifest
+from .commit.manifest import FileEntry, Manifest, crc32c, crc32c_combine
 from .commit.names import natural_key
 from .commit.store import Checkpoint
 from .errors import (
@@ -164,6 +166,10 @@ class Tiers:
         self._errors: list[BaseException] = []
         self._stop = threading.Event()
         self._last_due: tuple[Step, float] | None = None
+        self._remote_seen: set[Step] = set()  # the persistent steps as last listed
+        # local retention runs here, off the caller's thread (deleting a step is disk time)
+        self._keeper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atomicstore-local-retention")
+        self._kept: concurrent.futures.Future[None] | None = None
         self._last_session: Session | None = None
         if recover:  # every process: each has its own local tier
             self._recover_local()
@@ -184,22 +190,25 @@ class Tiers:
         return {s: g for n, g in self.local.committed().items() if (s := self._step_of(n)) is not None}
 
     def remote_steps(self) -> dict[Step, str | None]:
-        return {s: g for n, g in self.remote.committed().items() if (s := self._step_of(n)) is not None}
+        """Committed persistent steps and their generation (a listing, remembered as the
+        view ``save`` checks against)."""
+        out = {s: g for n, g in self.remote.committed().items() if (s := self._step_of(n)) is not None}
+        with self._lock:
+            self._remote_seen = set(out)
+        return out
 
     def steps(self, *, for_save: bool = False) -> list[Step]:
-        """Steps committed in either tier, in natural order. ``for_save``: a persistent
-        tier that cannot be listed (a network partition) gives the local tier's steps,
-        with a warning: a save must not wait on the bucket (its upload will, and is
-        refused if the step turns out not to be new there)."""
+        """Steps committed in either tier, in natural order. ``for_save``: the persistent
+        tier's steps as last listed (when the manager opened, and after each upload and
+        its retention) instead of a listing now: a save never waits on the bucket (a
+        slow or unreachable one), and an upload of a step another job committed
+        meanwhile is refused by its commit."""
         local = set(self.local_steps())
-        try:
+        if for_save:
+            with self._lock:
+                remote = set(self._remote_seen)
+        else:
             remote = set(self.remote_steps())
-        except StorageError as exc:
-            if not for_save:
-                raise
-            log.warning("the persistent tier %s cannot be listed (%s): the save checks the local tier's "
-                        "steps only", self.remote.url, exc)
-            remote = set()
         return sorted(local | remote, key=lambda s: natural_key(str(s)))
 
     def manifest(self, step: Step) -> Manifest:
@@ -275,8 +284,19 @@ class Tiers:
             # an overwrite of the step (in either tier) replaces it in the persistent tier too,
             # also when the upload of the save it replaces commits there only after this call
             self.enqueue(_Upload(step, meta[TIER_KEY]["save"], step in replaced, remote_replaced))
-        self.retain_local()
+        self.retain_soon()
         return meta
+
+    def retain_soon(self) -> None:
+        """Local retention on its own thread (the caller's stall is the local write only)."""
+        with self._lock:
+            self._kept = self._keeper.submit(self._retain_logged)
+
+    def _retain_logged(self) -> None:
+        try:
+            self.retain_local()
+        except Exception as exc:  # noqa: BLE001 - housekeeping: the next save retains again
+            log.warning("local retention of %s: %s", self.local.url, exc)
 
     def protected(self) -> set[Step]:
         """Local steps retention must keep: uploads queued or running, and the newest due
@@ -391,6 +411,10 @@ class Tiers:
                 up = self._current = self._queue.popleft()
             try:
                 self.persist(up)
+                with self._lock:
+                    self._remote_seen.add(up.step)
+                with contextlib.suppress(AtomicStoreError):
+                    self.remote_steps()  # (what the persistent tier's retention left: save's view)
             except BaseException as exc:  # noqa: BLE001 - raised by wait_until_finished
                 if isinstance(exc, Superseded):  # a newer save of the step is (or was) queued after it
                     log.info("upload of step %s skipped: %s", up.step, exc)
@@ -405,13 +429,14 @@ class Tiers:
                 with self._lock:
                     self._current = None
                 up.done.set()
-            try:
-                self.retain_local()
-            except Exception as exc:  # noqa: BLE001 - housekeeping: the next save retains again
-                log.warning("local retention after the upload of step %s: %s", up.step, exc)
+            self._retain_logged()
 
     def wait(self) -> None:
-        """Until every queued upload ended."""
+        """Until every queued upload and the local retention ended."""
+        with self._lock:
+            kept = self._kept
+        if kept is not None:
+            kept.result()
         while True:
             with self._lock:
                 t = self._thread
@@ -549,28 +574,32 @@ class Tiers:
         except Exception as exc:  # noqa: BLE001 - persisted; retention is housekeeping
             log.warning("retention of the persistent tier after step %s: %s", up.step, exc)
 
-    def _upload_file(self, ckpt: Any, path: str, out: Any) -> None:
+    def _upload_file(self, ckpt: Checkpoint, path: str, out: Any) -> None:
         """Stream ``path`` of the local copy into ``out`` (a transaction's file, or a
         writer of a handed-over attempt), its size and CRC32C checked against the local
-        manifest as it is read: a mismatch raises before the file is completed."""
-        rate = self.options.upload_rate
-        buf = bytearray(min(UPLOAD_CHUNK, max(1, ckpt.files[path].size)))
-        mv = memoryview(buf)
-        t0, sent = time.monotonic(), 0
+        manifest as it is read: a mismatch raises before the file is completed. Each
+        chunk read is handed over as it is (immutable bytes: lent, not copied) with its
+        CRC32C (computed once, for the check and the transaction)."""
+        rate, entry, where = self.options.upload_rate, ckpt.files[path], ckpt.where(path)
+        lend = getattr(out, "accepts_borrowed", False)
+        t0, size, whole = time.monotonic(), 0, 0
         try:
-            with ckpt.open(path) as src:
-                while True:
-                    if self._stop.is_set():
-                        raise AtomicStoreError(f"upload of {ckpt.where(path)} abandoned (the manager closed)")
-                    n = src.readinto(mv)
-                    if not n:
-                        break
-                    out.write(mv[:n])
-                    sent += n
-                    if rate:  # the upload budget: at most `rate` bytes/s read from the local tier
-                        ahead = sent / rate - (time.monotonic() - t0)
-                        if ahead > 0:
-                            time.sleep(ahead)
+            for chunk in ckpt.store.driver.iter_read(ckpt.key(path)):
+                if self._stop.is_set():
+                    raise AtomicStoreError(f"upload of {where} abandoned (the manager closed)")
+                c = crc32c(chunk)
+                whole, size = crc32c_combine(whole, c, len(chunk)), size + len(chunk)
+                if size > entry.size:
+                    entry.check(path, size, whole, where=where)
+                if lend:
+                    out.write(chunk, crc32c=c, borrow=True)
+                else:  # (a driver's writer of a handed-over attempt)
+                    out.write_borrowed(memoryview(chunk))
+                if rate:  # the upload budget: at most `rate` bytes/s read from the local tier
+                    ahead = size / rate - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+            entry.check(path, size, whole, where=where)  # (raises ChecksumMismatchError)
         except BaseException:
             out.abort()
             raise
@@ -736,6 +765,7 @@ class Tiers:
         self.enqueue(_Upload(step, tier["save"], False))
 
     def close(self) -> None:
+        self._keeper.shutdown(wait=True)
         self.local.close()
 
 
