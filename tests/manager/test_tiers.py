@@ -469,3 +469,21 @@ def test_a_partitioned_persistent_tier_does_not_stop_a_local_save(kind, request,
         m.wait_until_finished()
         assert b.open().list() == ["checkpoint_1", "checkpoint_2"]
         assert atomicstore.open_store(str(local)).list() == ["checkpoint_2"]
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_save_sends_no_request_to_the_bucket(kind, request, tmp_path):
+    """The caller's stall is the local commit: a tiered save (uploads held back: not due)
+    makes no request to the persistent tier; its upload and retention do, later."""
+    b = make_backend(kind, request, tmp_path)
+    with manager(b, tmp_path / "local", keep=5, local_keep=1, persist_every_n_steps=100) as m:
+        m.save(1, tree(1))
+        m.wait_until_finished()
+        m.save(2, tree(2))  # not due
+        m.wait_until_finished()  # (its local retention checked that 1 is persisted: a listing)
+        with b.server.injector.recording() as log:
+            m.save(3, tree(3))  # not due; local retention drops 2, which was not due either
+            m.wait_until_finished()
+        assert log.requests == [], [(r.method, r.key) for r in log.requests]
+        m.wait_until_finished()
+        assert atomicstore.open_store(str(tmp_path / "local")).list() == ["checkpoint_3"]
