@@ -354,7 +354,7 @@ class CheckpointManager:
         """The async half of :meth:`save`: once the saves before it are done, save in a
         background thread (at most ``max_pending`` at once: a slot is taken here)."""
         self._slots.acquire()
-        self.wait_until_finished(_raise=False)  # saves are ordered
+        self.wait_until_finished(_raise=False, _uploads=False)  # saves are ordered (uploads are not saves)
         try:
             self._raise_pending_error()  # the previous save failed while this one waited
             if session is None or session.main:  # again: the saves waited for may have committed it
@@ -452,7 +452,7 @@ class CheckpointManager:
         if self._tiers is None:
             raise InvalidArgumentError("this CheckpointManager has no local tier (local_dir)")
         self._check_open()
-        self.wait_until_finished()
+        self.wait_until_finished(_uploads=False)  # (a save of that step in flight commits first)
         self._tiers.persist_now(check_step(step))
 
     def _readable_metadata(self) -> tuple[dict[Step, dict[str, Any]], dict[Step, str]]:

@@ -43,7 +43,9 @@ from .commit.manifest import FileEntry, Manifest, crc32c, crc32c_combine
 from .commit.names import natural_key
 from .commit.store import Checkpoint
 from .errors import (
+    AlreadyExistsError,
     AtomicStoreError,
+    CommitConflictError,
     CorruptionError,
     InvalidArgumentError,
     NotFoundError,
@@ -60,8 +62,10 @@ Step = int | float
 
 #: metadata key of a tiered save: ``{"save": id, "process": i, "count": n, "own": [files]}``
 TIER_KEY = "tier"
-#: bytes read from the local copy per request while persisting
-UPLOAD_CHUNK = 8 << 20
+#: at the local tier's root: the persistent tier it serves (``{"persistent": url}``)
+TIER_FILE = "tier.json"
+#: the lowest ``upload_rate`` (bytes per second) a manager takes
+MIN_UPLOAD_RATE = 1024
 
 LOCAL_COMMIT_EVENT = "/atomicstore/tiers/local_commit_secs"
 UPLOAD_START_EVENT = "/atomicstore/tiers/upload_start"
@@ -110,6 +114,9 @@ class TierOptions:
             if val is not None and (isinstance(val, bool) or not isinstance(val, int | float)
                                     or not val > 0 or val != val or val == float("inf")):
                 raise InvalidArgumentError(f"{what} must be a positive finite number or None")
+        if self.upload_rate is not None and self.upload_rate < MIN_UPLOAD_RATE:
+            raise InvalidArgumentError(f"upload_rate must be at least {MIN_UPLOAD_RATE} bytes per second "
+                                       "(or None: no limit)")
 
 
 class Superseded(PreconditionFailedError):
@@ -137,7 +144,7 @@ class Tiers:
                  name: Callable[[Step], str], step_of: Callable[[str], Step | None],
                  persisted: Callable[[Step, dict[str, Any], dict[Step, str | None]], None],
                  timeout: float, recover: bool, process: tuple[int, int]) -> None:
-        if not isinstance(local_dir, str | os.PathLike) or "://" in str(local_dir):
+        if not isinstance(local_dir, str | os.PathLike) or "://" in str(local_dir) or not os.fspath(local_dir):
             raise InvalidArgumentError("local_dir must be a local directory path (the fast tier)")
         index, count = process
         path = os.path.realpath(os.fspath(local_dir))
@@ -156,6 +163,7 @@ class Tiers:
         except OSError as exc:
             raise StorageError(f"cannot make the local tier {path}: {exc}") from exc
         self.local = open_store(path)
+        self._claim_local(remote.url)
         self.remote, self.prefix, self.options = remote, prefix, options
         self._name, self._step_of, self._persisted = name, step_of, persisted
         self.timeout, self.process = timeout, process
@@ -167,6 +175,7 @@ class Tiers:
         self._stop = threading.Event()
         self._last_due: tuple[Step, float] | None = None
         self._remote_seen: set[Step] = set()  # the persistent steps as last listed
+        self._pid = os.getpid()
         # local retention runs here, off the caller's thread (deleting a step is disk time)
         self._keeper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atomicstore-local-retention")
         self._kept: concurrent.futures.Future[None] | None = None
@@ -176,6 +185,32 @@ class Tiers:
         self._resume()
 
     # -- the local tier ---------------------------------------------------------------
+    def _claim_local(self, url: str) -> None:
+        """A local tier serves one persistent tier: ``tier.json`` at its root names it
+        (written by the first manager; a read-only local tier is only checked). Another
+        persistent tier is refused: its manager would upload this one's steps, and restore
+        them as its own."""
+        doc = json.dumps({"persistent": url}).encode()
+        for _ in range(2):
+            try:
+                found = json.loads(self.local.read_file(TIER_FILE))["persistent"]
+            except NotFoundError:
+                try:
+                    self.local.write_file(TIER_FILE, doc, overwrite=False)
+                    return
+                except AlreadyExistsError:
+                    continue  # (another manager wrote it first: check it)
+                except (AtomicStoreError, OSError) as exc:
+                    log.warning("cannot record the persistent tier in the local tier %s: %s", self.local.url, exc)
+                    return
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CorruptionError(f"{self.local.driver.describe(TIER_FILE)}: not a local tier's record ({exc})",
+                                      path=TIER_FILE) from None
+            if found != url:
+                raise InvalidArgumentError(f"local_dir {self.local.url} is the local tier of {found}, not of {url}: "
+                                           "give each persistent tier its own local_dir")
+            return
+
     def _recover_local(self) -> None:
         try:
             report = self.local.recover(flax_prefix=self.prefix)
@@ -246,8 +281,10 @@ class Tiers:
         local_known = self.local_steps()
 
         def decide() -> dict[str, Any]:  # (process 0, for every process)
-            return {"save": new_save_id(), "due": self.due(step, milestone), "overwrite": overwrite,
-                    "replaced": [s for s in replaced if s != step]}
+            # an overwrite that replaces or removes steps is persisted whenever it is due or
+            # not: else the persistent tier would keep the steps it replaced or removed
+            return {"save": new_save_id(), "due": self.due(step, milestone or bool(replaced)),
+                    "overwrite": overwrite, "replaced": [s for s in replaced if s != step]}
 
         agreed: dict[str, Any] = {}
 
@@ -308,21 +345,30 @@ class Tiers:
         return out
 
     def retain_local(self) -> None:
-        """Keep the newest ``local_keep`` local steps, and every step whose upload is
-        queued or running; delete the others (each only as the save listed)."""
-        local = self.local_steps()
-        order = sorted(local, key=lambda s: natural_key(str(s)))
-        keep = set(order[-self.options.local_keep:]) | self.protected()
-        judged: dict[Step, Manifest] = {}
+        """Keep the newest ``local_keep`` local steps, every step whose upload is queued or
+        running, and the newest due step until it (or a newer step) is persisted; an
+        ephemeral step goes once a newer step that is not ephemeral is committed. Each is
+        deleted only as the save judged."""
+        order = sorted(self.local_steps())
+        mans: dict[Step, Manifest] = {}
         for s in order:
-            if s not in keep:
-                try:
-                    judged[s] = self.local.manifest(self._name(s))
-                except (NotFoundError, PreconditionFailedError):
-                    pass
-                except AtomicStoreError as exc:
-                    log.warning("local retention keeps %s: %s", self._name(s), exc)
-        due = [s for s, man in judged.items() if (man.metadata.get(TIER_KEY) or {}).get("due")]
+            try:
+                mans[s] = self.local.manifest(self._name(s))
+            except (NotFoundError, PreconditionFailedError):
+                pass
+            except AtomicStoreError as exc:
+                log.warning("local retention keeps %s: %s", self._name(s), exc)
+
+        def flag(s: Step, key: str) -> bool:
+            meta = mans[s].metadata
+            return bool(meta.get(key) if key == "ephemeral" else (meta.get(TIER_KEY) or {}).get(key))
+
+        protected = self.protected()
+        plain = [s for s in mans if not flag(s, "ephemeral")]
+        keep = set(plain[-self.options.local_keep:]) | protected
+        doomed = {s for s in mans if s not in keep and (not flag(s, "ephemeral") or (plain and plain[-1] > s))}
+        doomed |= {s for s in mans if flag(s, "ephemeral") and plain and plain[-1] > s and s not in protected}
+        due = [s for s in doomed if flag(s, "due")]
         if due:  # the newest due step stays until it (or a newer step) is persisted
             newest = max(due)
             try:
@@ -330,10 +376,10 @@ class Tiers:
             except AtomicStoreError:  # (the persistent tier cannot be listed now: keep it)
                 persisted = False
             if not persisted:
-                judged.pop(newest)
-        for s, man in judged.items():
+                doomed.discard(newest)
+        for s in sorted(doomed):
             try:  # only the save judged: never one committed since under that name
-                self.local.delete(self._name(s), if_attempt=man.attempt)
+                self.local.delete(self._name(s), if_attempt=mans[s].attempt)
             except (NotFoundError, PreconditionFailedError):
                 pass
             except AtomicStoreError as exc:
@@ -432,7 +478,10 @@ class Tiers:
             self._retain_logged()
 
     def wait(self) -> None:
-        """Until every queued upload and the local retention ended."""
+        """Until every queued upload and the local retention ended (at once in a forked
+        child: the parent's threads do not exist there)."""
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             kept = self._kept
         if kept is not None:
@@ -514,13 +563,32 @@ class Tiers:
 
     def _persist_alone(self, ckpt: Any, up: _Upload) -> Manifest:
         meta = _persisted_meta(ckpt.manifest.metadata)
-        with self.remote.transaction(ckpt.name, metadata=meta, overwrite=up.overwrite) as txn:
-            for path in sorted(ckpt.files, key=lambda p: -ckpt.files[p].size):
-                self._upload_file(ckpt, path, txn.open(path))
-            txn.commit()
+        try:
+            with self.remote.transaction(ckpt.name, metadata=meta, overwrite=up.overwrite) as txn:
+                for path in sorted(ckpt.files, key=lambda p: -ckpt.files[p].size):
+                    self._upload_file(ckpt, path, txn.open(path))
+                txn.commit()
+        except CommitConflictError:
+            won = self._persisted_as(ckpt.name, up.save)
+            if won is None:
+                raise
+            return won
         assert txn.manifest is not None
         self._after_persist(up, meta)
         return txn.manifest
+
+    def _persisted_as(self, name: str, save: str) -> Manifest | None:
+        """After a lost commit race: the persistent manifest of ``name`` if it holds this
+        very save (another uploader of the same local copy won: a zombie of the last
+        run, or a second manager on this local tier), else None."""
+        try:
+            man = self.remote.manifest(name)
+        except AtomicStoreError:
+            return None
+        if (man.metadata.get(TIER_KEY) or {}).get("save") != save:
+            return None
+        log.info("%s was persisted by another uploader of the same save", self.remote.driver.describe(name))
+        return man
 
     def _persist_together(self, session: Session, ckpt: Any, up: _Upload) -> Manifest | None:
         """Multi-host: process 0 opens the persistent transaction and publishes where its
@@ -551,7 +619,14 @@ class Tiers:
                 missing = ({INDEX_FILE, STATE_FILE} | set(table)) - set(txn.files)
                 if missing:
                     raise CorruptionError(f"{session.what}: no process uploaded {sorted(missing)[:3]}")
-                txn.commit(check=session.check_can_commit)
+                try:
+                    txn.commit(check=session.check_can_commit)
+                except CommitConflictError:
+                    won = self._persisted_as(ckpt.name, up.save)
+                    if won is None:
+                        raise
+                    session.put("outcome", {"ok": True})
+                    return won
             self._after_persist(up, meta)
             session.put("outcome", {"ok": True})
             return txn.manifest
@@ -597,8 +672,8 @@ class Tiers:
                     out.write_borrowed(memoryview(chunk))
                 if rate:  # the upload budget: at most `rate` bytes/s read from the local tier
                     ahead = size / rate - (time.monotonic() - t0)
-                    if ahead > 0:
-                        time.sleep(ahead)
+                    if ahead > 0 and self._stop.wait(ahead):
+                        raise AtomicStoreError(f"upload of {where} abandoned (the manager closed)")
             entry.check(path, size, whole, where=where)  # (raises ChecksumMismatchError)
         except BaseException:
             out.abort()
@@ -617,7 +692,14 @@ class Tiers:
         return self._restore_together(session, step, target, kwargs)
 
     def _copies(self, step: Step | None) -> list[Step]:
-        steps = self.steps() if step is None else [step]
+        if step is not None:
+            return [step]
+        try:
+            steps = self.steps()
+        except StorageError as exc:  # the bucket is down: the local steps (and the last listing) serve
+            log.warning("the persistent tier %s cannot be listed (%s): restoring from what the local tier "
+                        "holds and the persistent steps last listed", self.remote.url, exc)
+            steps = self.steps(for_save=True)
         return list(reversed(steps))
 
     def _restore_alone(self, step: Step | None, target: Any, kwargs: dict[str, Any]) -> tuple[Any, Manifest | None, Step]:
@@ -626,8 +708,8 @@ class Tiers:
             for tier, st in (("local", self.local), ("persistent", self.remote)):
                 try:
                     out, man = restore_with_manifest(self._name(s), target, store=st, **kwargs)
-                except (CorruptionError, NotFoundError, PreconditionFailedError) as exc:
-                    if not isinstance(exc, NotFoundError) or st.exists(self._name(s)):
+                except (CorruptionError, NotFoundError, PreconditionFailedError, StorageError) as exc:
+                    if not isinstance(exc, NotFoundError) or _exists(st, self._name(s)):
                         log.warning("the %s copy of step %s cannot be restored (%s); trying the next copy",
                                     tier, s, exc)
                         last = exc  # (damage, not absence, is what the caller is told)
@@ -765,8 +847,16 @@ class Tiers:
         self.enqueue(_Upload(step, tier["save"], False))
 
     def close(self) -> None:
-        self._keeper.shutdown(wait=True)
+        if os.getpid() == self._pid:
+            self._keeper.shutdown(wait=True)
         self.local.close()
+
+
+def _exists(st: Store, name: str) -> bool:
+    try:
+        return st.exists(name)
+    except StorageError:
+        return True  # (cannot tell: say why the copy could not be read)
 
 
 def _remote(session: Session, report: dict[str, Any]) -> AtomicStoreError:

@@ -337,16 +337,21 @@ def test_a_read_only_local_tier_still_restores(tmp_path):
 def _child_save(m: CheckpointManager, q) -> None:
     try:
         m.save(5, tree(5))
-        q.put("saved")
+        out = "saved"
     except InvalidArgumentError as exc:
-        q.put(f"refused: {exc}")
+        out = f"refused: {exc}"
+    t0 = time.monotonic()
+    m.wait_until_finished()  # (the parent's upload does not exist here: returns at once)
+    m.close()
+    q.put(f"{out}; waited {time.monotonic() - t0:.2f}")
 
 
 def test_a_forked_child_cannot_use_the_parents_tiered_manager(tmp_path):
     with CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "l"), upload_rate=1e6) as m:
         m.save(1, tree(1, 1 << 18))  # an upload in flight while the child forks
         out, code = in_forked_child(_child_save, m)
-        assert code == 0 and out.startswith("refused") and "forked child" in out
+        assert code == 0 and out.startswith("refused") and "forked child" in out, out
+        assert float(out.rsplit("waited ", 1)[1]) < 1.0, out
         m.wait_until_finished()
         assert m.store.list() == ["checkpoint_1"]
 
@@ -487,3 +492,80 @@ def test_save_sends_no_request_to_the_bucket(kind, request, tmp_path):
         assert log.requests == [], [(r.method, r.key) for r in log.requests]
         m.wait_until_finished()
         assert atomicstore.open_store(str(tmp_path / "local")).list() == ["checkpoint_3"]
+
+
+def test_a_local_tier_serves_one_persistent_tier(tmp_path):
+    with CheckpointManager(str(tmp_path / "a"), local_dir=str(tmp_path / "l")) as m:
+        m.save(1, tree(1))
+    with pytest.raises(InvalidArgumentError, match="is the local tier of"):
+        CheckpointManager(str(tmp_path / "b"), local_dir=str(tmp_path / "l"))  # would upload a's steps as b's
+    with CheckpointManager(str(tmp_path / "a"), local_dir=str(tmp_path / "l")) as m:
+        assert same(m.restore(), 1)
+
+
+def test_a_rollback_to_a_step_that_is_not_due_is_persisted(tmp_path):
+    """overwrite=True: re-saving step 2 over 3 removes 3 from both tiers, also when 2 is
+    not due (else the persistent tier would keep 3, and a lost machine restore it)."""
+    remote, local = tmp_path / "r", tmp_path / "l"
+    with CheckpointManager(str(remote), local_dir=str(local), keep=5, local_keep=5, overwrite=True,
+                           persist_every_n_steps=1000) as m:
+        for s in (1, 2, 3):
+            m.save(s, tree(s))
+        m.persist(2)
+        m.persist(3)
+        m.wait_until_finished()
+        m.save(2, tree(20))  # not due by the period: persisted, as it removes 3
+        m.wait_until_finished()
+        assert m.all_steps() == [1, 2]
+        assert atomicstore.open_store(str(remote)).list() == ["checkpoint_1", "checkpoint_2"]
+    shutil.rmtree(local)
+    with CheckpointManager(str(remote), local_dir=str(local)) as m:
+        assert same(m.restore(), 20) and m.metadata(2)["step"] == 2
+
+
+def test_an_async_save_does_not_wait_for_the_upload_before_it(tmp_path):
+    with CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "l"), keep=5, local_keep=5,
+                           async_save=True, upload_rate=1e6) as m:  # about a second per upload
+        m.save(1, tree(1, 1 << 18))
+        m.wait_until_finished()
+        m.save(2, tree(2, 1 << 18))
+        t0 = time.monotonic()
+        m.save(3, tree(3, 1 << 18))  # step 2's upload runs: this save waits for step 2's local commit only
+        assert time.monotonic() - t0 < 0.5
+        assert m.tier_state()[2] == TierState.PERSISTING
+        m.wait_until_finished()
+        assert m.store.list() == ["checkpoint_1", "checkpoint_2", "checkpoint_3"]
+
+
+def test_leaving_with_on_an_error_does_not_wait_for_a_slow_upload(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError), CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "l"),
+                                                        upload_rate=2048) as m:  # hours for 1 MiB
+        m.save(1, tree(1, 1 << 18))
+        raise RuntimeError("training crashed")
+    assert time.monotonic() - t0 < 10
+    assert atomicstore.open_store(str(tmp_path / "r")).list() == []
+
+
+def test_ephemeral_steps_go_from_both_tiers_once_a_newer_step_commits(tmp_path):
+    with CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "l"), keep=3, local_keep=3) as m:
+        m.save(1, tree(1))
+        m.save(2, tree(2), ephemeral=True)
+        m.wait_until_finished()
+        assert m.all_steps() == [1, 2]
+        m.save(3, tree(3))
+        m.wait_until_finished()
+        assert m.all_steps() == [1, 3]
+        assert atomicstore.open_store(str(tmp_path / "l")).list() == ["checkpoint_1", "checkpoint_3"]
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_restore_from_the_local_tier_while_the_bucket_is_down(kind, request, tmp_path):
+    b = make_backend(kind, request, tmp_path)
+    with manager(b, tmp_path / "local", keep=5) as m:
+        m.save(1, tree(1))
+        m.save(2, tree(2))
+        m.wait_until_finished()
+        b.faults(FaultPlan(deny=lambda environ: True))
+        assert same(m.restore(), 2) and same(m.restore(1), 1)
+        b.faults(None)
