@@ -650,7 +650,10 @@ class CheckpointManager:
     # -- async bookkeeping -----------------------------------------------------------------
     def wait_until_finished(self, _raise: bool = True, _uploads: bool = True) -> None:
         """Block until every background save finished, and with tiers every upload
-        queued; raise the first error of one."""
+        queued; raise the first error of one. In a forked child: at once (the parent's
+        threads do not exist there, and a lock one of them held at the fork stays held)."""
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             pending = list(self._pending)
         for t in pending:

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,6 +169,7 @@ class Tiers:
         self._name, self._step_of, self._persisted = name, step_of, persisted
         self.timeout, self.process = timeout, process
         self._lock = threading.Lock()
+        _ALL.add(self)  # (its lock is made anew in a forked child: see _after_fork_in_child)
         self._queue: collections.deque[_Upload] = collections.deque()
         self._current: _Upload | None = None
         self._thread: threading.Thread | None = None
@@ -847,9 +849,27 @@ class Tiers:
         self.enqueue(_Upload(step, tier["save"], False))
 
     def close(self) -> None:
-        if os.getpid() == self._pid:
-            self._keeper.shutdown(wait=True)
+        if os.getpid() != self._pid:
+            return  # (a forked child: the parent's threads, locks and store are the parent's)
+        self._keeper.shutdown(wait=True)
         self.local.close()
+
+
+#: every Tiers of this process (weakly): a forked child gets fresh locks for them
+_ALL: weakref.WeakSet[Tiers] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A lock the parent's uploader held at the fork would stay held in the child, where
+    that thread does not exist: the child (which may read through the parent's manager)
+    gets new ones, and no uploader."""
+    for t in list(_ALL):
+        t._lock = threading.Lock()
+        t._thread, t._current = None, None
+        t._queue.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _exists(st: Store, name: str) -> bool:

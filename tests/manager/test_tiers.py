@@ -340,17 +340,18 @@ def _child_save(m: CheckpointManager, q) -> None:
         out = "saved"
     except InvalidArgumentError as exc:
         out = f"refused: {exc}"
+    read = "read" if same(m.restore(1), 1, 1 << 18) else "read other data"  # reads through it work
     t0 = time.monotonic()
     m.wait_until_finished()  # (the parent's upload does not exist here: returns at once)
     m.close()
-    q.put(f"{out}; waited {time.monotonic() - t0:.2f}")
+    q.put(f"{out}; {read}; waited {time.monotonic() - t0:.2f}")
 
 
 def test_a_forked_child_cannot_use_the_parents_tiered_manager(tmp_path):
     with CheckpointManager(str(tmp_path / "r"), local_dir=str(tmp_path / "l"), upload_rate=1e6) as m:
         m.save(1, tree(1, 1 << 18))  # an upload in flight while the child forks
         out, code = in_forked_child(_child_save, m)
-        assert code == 0 and out.startswith("refused") and "forked child" in out, out
+        assert code == 0 and out.startswith("refused") and "forked child" in out and "; read;" in out, out
         assert float(out.rsplit("waited ", 1)[1]) < 1.0, out
         m.wait_until_finished()
         assert m.store.list() == ["checkpoint_1"]
