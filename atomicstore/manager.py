@@ -13,6 +13,7 @@ a step whose metadata it cannot read.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy as copy_module
 import json
 import logging
@@ -638,9 +639,14 @@ class CheckpointManager:
         session = Session.begin(f"delete of step {step} in {self.store.url}", self.timeout)
         name = self._name(check_step(step))
         if self._tiers is not None:
-            self._tiers.delete(check_step(step), remote=session is None or session.main)
-            if session is not None:
-                session.decide(lambda: None)
+            tiers, step = self._tiers, check_step(step)
+            if session is None:
+                tiers.delete(step)
+                return
+            if not session.main:  # its own local part (process 0's outcome says whether the step was there)
+                with contextlib.suppress(NotFoundError):
+                    tiers.delete(step, remote=False)
+            session.decide(lambda: tiers.delete(step))  # process 0: both tiers; its error reaches every process
             return
         if session is None:
             self.store.delete(name)

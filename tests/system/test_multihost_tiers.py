@@ -115,3 +115,10 @@ def test_an_overwrite_and_a_resumed_upload_reach_every_process(request, tmp_path
     all_ok(res, 3)
     assert store.list() == ["checkpoint_5", "checkpoint_8"]
     assert shard_bytes(store, "checkpoint_8") > 0
+    # a delete removes the step from the persistent tier and from every process's local part
+    res = run(2, url, opts, [mgr, {"op": "delete", "step": 8}, {"op": "steps"}], tmp_path, "deleted")
+    all_ok(res, 3)
+    assert [one(r, "steps")["value"] for r in res] == [[5], [5]]
+    assert store.list() == ["checkpoint_5"]
+    for i in (0, 1):
+        assert atomicstore.open_store(str(local / f"process-{i}")).list() == ["checkpoint_5"]
