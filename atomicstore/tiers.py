@@ -548,9 +548,7 @@ class Tiers:
                 raise
         except BaseException as exc:
             if session is not None:
-                session.fail(exc)
-                session._publish_soon([("table", session.error(exc))] if session.main
-                                      else [(f"shards/{session.index}", session.error(exc))])
+                session.fail(exc)  # (plan/outcome or report/<i>: the keys an upload waits on)
             raise
         dt = time.monotonic() - t0
         record(UPLOAD_EVENT, dt)

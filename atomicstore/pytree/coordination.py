@@ -197,10 +197,14 @@ class Session:
     def error(self, exc: BaseException) -> dict[str, Any]:
         return {"error": _why(exc), "process": self.index, "type": type(exc).__name__}
 
-    def fail(self, exc: BaseException) -> None:
-        """Tell the others this process failed (what it owes them, as an error)."""
+    def fail(self, exc: BaseException, *, parts: bool = False) -> None:
+        """Tell the others this process failed (what it owes them, as an error). With
+        ``parts``, also where a :func:`coordinated_parts` exchange waits for this
+        process: ``table`` / ``shards/<i>``."""
         err = self.error(exc)
         keys = ["plan", "outcome"] if self.main else [f"report/{self.index}"]
+        if parts:
+            keys.append("table" if self.main else f"shards/{self.index}")
         self._publish_soon([(k, err) for k in keys])
 
     def abandon(self) -> None:
@@ -410,8 +414,7 @@ def coordinated_parts(
             txn.adopt(f["file"], f["size"], f["crc32c"])
         out = finish(txn, by_array, files)
     except BaseException as exc:
-        session.fail(exc)
-        session._publish_soon([("table" if session.main else f"shards/{session.index}", session.error(exc))])
+        session.fail(exc, parts=True)
         if txn is not None and not txn.committed:
             _abort_within(txn, session.margin)
         raise
