@@ -10,7 +10,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..drivers import get_driver
@@ -154,6 +154,25 @@ class Checkpoint:
             raise ChecksumMismatchError(
                 f"{self.where(path)}: short read ({n} of {mv.nbytes} bytes at {start})", path=path
             )
+
+    def read_ranges_into(self, path: str, ranges: Sequence[tuple[int, Any]], *, threads: int | None = None) -> None:
+        """:meth:`read_range_into` of each ``(start, out)`` of ``ranges``, all at once (on
+        object stores every range's requests go out from this thread before any is
+        awaited; elsewhere on up to ``threads`` threads). Not checksummed."""
+        entry = self._entry(path)
+        pairs = [(start, memoryview(out).cast("B")) for start, out in ranges]
+        for start, mv in pairs:
+            if not (start >= 0 and start + mv.nbytes <= entry.size):
+                raise InvalidArgumentError(
+                    f"range [{start}, {start + mv.nbytes}) outside {self.where(path)} of {entry.size} bytes"
+                )
+        pairs = [(start, mv) for start, mv in pairs if mv.nbytes]
+        counts = self.store.driver.read_ranges_into(self.key(path), pairs, threads=threads)
+        for (start, mv), n in zip(pairs, counts, strict=True):
+            if n != mv.nbytes:
+                raise ChecksumMismatchError(
+                    f"{self.where(path)}: short read ({n} of {mv.nbytes} bytes at {start})", path=path
+                )
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``path`` (not checksummed: a part of a file cannot be;

@@ -11,7 +11,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
 from functools import partial
@@ -79,9 +79,10 @@ class AsyncFsspecDriver(Driver):
         super().__init__(fs, root, **kwargs)
         #: the store's in-flight budget: every part upload and ranged read draws from it
         self.inflight = InflightBudget(self.max_inflight_bytes)
-        # a reader runs as many ranged reads at once as the budget holds
+        # a reader runs as many ranged reads at once as the budget holds, all sent from
+        # one thread (read_ranges_into)
         self.capabilities = replace(
-            self.capabilities, io_threads=max(8, self.max_inflight_bytes // self.read_chunk))
+            self.capabilities, io_threads=max(8, self.max_inflight_bytes // self.read_chunk), batched_reads=True)
         self._completer: concurrent.futures.ThreadPoolExecutor | None = None
         self._completer_lock = threading.Lock()
 
@@ -193,41 +194,54 @@ class AsyncFsspecDriver(Driver):
         """Ranged reads of :attr:`read_chunk` bytes straight into ``out``, as many at
         once as the store's in-flight budget allows; with ``generation``, each of them
         conditional on it (:meth:`Driver.read_into`)."""
-        mv = memoryview(out).cast("B")
+        return self.read_ranges_into(key, [(offset, out)], generation=generation)[0]
+
+    def read_ranges_into(self, key: str, ranges: Sequence[tuple[int, memoryview]], *,
+                         generation: str | None = None, threads: int | None = None) -> list[int]:
+        """Every range's ranged reads of :attr:`read_chunk` bytes, sent from this thread
+        in order, as many at once as the store's in-flight budget allows, before waiting
+        for any (:meth:`Driver.read_ranges_into`; ``threads`` is not needed: the event
+        loop does the waiting)."""
+        views = [memoryview(out).cast("B") for _, out in ranges]
         step = self.read_chunk
-        spans = [(a, min(step, mv.nbytes - a)) for a in range(0, mv.nbytes, step)]
+        # (range, offset in it, length): every range's spans, in the order given
+        spans = [(i, a, min(step, mv.nbytes - a)) for i, mv in enumerate(views) for a in range(0, mv.nbytes, step)]
         futures: list[concurrent.futures.Future[int]] = []
 
         def failed() -> BaseException | None:
             return next((f.exception() for f in futures if f.done() and not f.cancelled()
                          and f.exception() is not None), None)
 
-        # This thread takes the destination's page faults (populate_pages, the GIL
+        # This thread takes the destinations' page faults (populate_pages, the GIL
         # released) while the requests are on their way, so that the event loop does not:
         # it would take them while it copies a response in, holding the GIL, and a slow
         # fault (a huge page to zero or compact) stalls every thread of the process (seen
         # here: 16 leaves' requests sent 1.5 s late). The spans sent so far are populated
         # whenever this thread would wait for room in the budget, and once all are sent:
         # breadth first (each span's next slice in turn), the order their bytes come in.
-        populate = mv.nbytes >= POPULATE_MIN
+        # Sending every range's requests from one thread before waiting for any puts
+        # them all on the wire at once: one thread per range (a reader's leaves) sent them
+        # over 0.6 s, each thread waiting for the GIL the event loop holds.
         populated = 0  # spans[:populated] are
 
         def populate_sent() -> None:
             nonlocal populated
-            todo = spans[populated : len(futures)]
-            if not populate or not todo:
-                return
-            _populate_breadth_first(mv, todo, step)
+            todo: dict[int, list[tuple[int, int]]] = {}
+            for i, a, k in spans[populated : len(futures)]:
+                if views[i].nbytes >= POPULATE_MIN:
+                    todo.setdefault(i, []).append((a, k))
+            for i, part in todo.items():
+                _populate_breadth_first(views[i], part, step)
             populated = len(futures)
 
         try:
-            for a, k in spans:
+            for i, a, k in spans:
                 if futures and not self.inflight.fits(k):
                     populate_sent()
                 held = self.inflight.acquire(k, failed)
                 try:
                     fut = self.submit("read", key, partial(
-                        self._get_into_or_end, key, offset + a, mv[a : a + k], generation),
+                        self._get_into_or_end, key, ranges[i][0] + a, views[i][a : a + k], generation),
                         "generation" if generation is not None else None)
                 except BaseException:
                     self.inflight.release(held)
@@ -240,10 +254,15 @@ class AsyncFsspecDriver(Driver):
             for f in futures:
                 f.cancel()
             raise
-        total = _bytes_read(spans, counts)
+        totals = [0] * len(views)
+        ended = [False] * len(views)  # a range's bytes count up to its first short read
+        for (i, _, k), got in zip(spans, counts, strict=True):
+            if not ended[i]:
+                totals[i] += got
+                ended[i] = got < k  # the object ends here
         if not self.capabilities.native_generation_reads:
             self._still_at(key, generation)
-        return total
+        return totals
 
     async def _get_into_or_end(self, key: str, start: int, out: memoryview,
                                generation: str | None = None) -> int:
@@ -484,13 +503,3 @@ def _populate_breadth_first(mv: memoryview, todo: list[tuple[int, int]], step: i
                 populate_pages(mv[a + pos : a + min(k, pos + piece)], piece)
         pos += piece
         piece = min(4 * piece, step)  # (the first bytes come first: small slices)
-
-
-def _bytes_read(spans: list[tuple[int, int]], counts: list[int]) -> int:
-    """How many bytes the ranged reads of ``spans`` got in a row (``counts``: each one's)."""
-    total = 0
-    for (_, k), got in zip(spans, counts, strict=True):
-        total += got
-        if got < k:
-            break  # the object ends here
-    return total

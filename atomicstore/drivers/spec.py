@@ -21,7 +21,7 @@ import contextlib
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, NamedTuple, TypeVar
@@ -99,6 +99,11 @@ class Capabilities:
         io_threads: how many reads a reader of this backend should run at once (object
             stores: as many ranged requests as the store's in-flight budget holds, set
             when the driver opens).
+        batched_reads: :meth:`Driver.read_ranges_into` sends every range's requests
+            from the calling thread before it waits for any (object stores, whose event
+            loop does the waiting): a reader gives it all its large ranges in one call
+            rather than a thread per range. Elsewhere a reader reads (and checks) each
+            large leaf on a thread of its own, while its bytes are in the CPU's cache.
         rename_flags: rename backends: what their renames can do (:class:`RenameFlags`),
             or a function that finds it out when a rename first needs it (the local
             driver probes its filesystem: NFS and many FUSE mounts lack both flags, and a
@@ -119,6 +124,7 @@ class Capabilities:
     exclusive_names: bool = False
     native_generation_reads: bool = False
     io_threads: int = 8
+    batched_reads: bool = False
     rename_flags: RenameFlags | Callable[[], RenameFlags] = RenameFlags(noreplace=True, exchange=True)
 
     def renames(self) -> RenameFlags:
@@ -413,6 +419,23 @@ class Driver(ABC):
         out[: len(data)] = data
         self._still_at(key, generation)
         return len(data)
+
+    def read_ranges_into(self, key: str, ranges: Sequence[tuple[int, memoryview]], *,
+                         generation: str | None = None, threads: int | None = None) -> list[int]:
+        """:meth:`read_into` of each ``(offset, out)`` of ``ranges``, all of them at once:
+        how many bytes each got. Here on up to ``threads`` threads (default
+        :attr:`Capabilities.io_threads`); object-store drivers send every range's
+        requests from the calling thread before waiting for any."""
+        if len(ranges) <= 1 or (threads or self.capabilities.io_threads) <= 1:
+            return [self.read_into(key, off, out, generation=generation) for off, out in ranges]
+        with concurrent.futures.ThreadPoolExecutor(min(threads or self.capabilities.io_threads, len(ranges))) as pool:
+            futures = [pool.submit(self.read_into, key, off, out, generation=generation) for off, out in ranges]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
 
     def _still_at(self, key: str, generation: str | None) -> None:
         """After a read: raise unless ``key`` is still at ``generation``. Generations are

@@ -28,6 +28,7 @@ from ..commit.locator import locate
 from ..commit.manifest import crc32c, crc32c_slices
 from ..commit.store import Checkpoint
 from ..drivers import FileInfo
+from ..drivers.parts import no_huge_pages
 from ..errors import (
     AtomicStoreError,
     CoordinationError,
@@ -83,8 +84,9 @@ def _match(path: Path, want: Path) -> bool:
 class _Reader:
     """Reads selected leaves of one state file, in parallel, into fresh arrays."""
 
-    def __init__(self, read_into: Callable[[int, memoryview], None], where: str, threads: int) -> None:
-        self.read_into, self.where, self.threads = read_into, where, threads
+    def __init__(self, read_into: Callable[[int, memoryview], None], where: str, threads: int,
+                 read_many: Callable[[list[tuple[int, memoryview]]], None] | None = None) -> None:
+        self.read_into, self.where, self.threads, self.read_many = read_into, where, threads, read_many
 
     def _check(self, leaf: Leaf, data: memoryview, crc: int | None, part: int) -> None:
         if crc is not None and crc32c(data) != crc:
@@ -109,11 +111,15 @@ class _Reader:
         out: dict[Path, Any] = {}
         jobs: list[Callable[[], None]] = []
         batch: list[Leaf] = []
+        bigs: list[Leaf] = []
         for lf in sorted(leaves, key=lambda lf: lf.ranges[0][0] if lf.ranges else -1):
             if lf.kind == LeafKind.LIT:
                 out[lf.path] = lf.value
             elif lf.kind == LeafKind.NDC or (lf.kind == LeafKind.ND and lf.nbytes >= SMALL_LEAF):  # (ndc: several ranges)
-                jobs.append(functools.partial(self._read_big, lf, out))
+                if self.read_many is not None:
+                    bigs.append(lf)
+                else:
+                    jobs.append(functools.partial(self._read_big, lf, out))
             else:
                 if batch and (lf.ranges[0][0] - (batch[-1].ranges[0][0] + batch[-1].ranges[0][1]) > 65536
                               or lf.ranges[0][0] + lf.ranges[0][1] - batch[0].ranges[0][0] > BATCH_BYTES):
@@ -122,8 +128,43 @@ class _Reader:
                 batch.append(lf)
         if batch:
             jobs.append(functools.partial(self._read_batch, batch, out))
+        if bigs:
+            jobs.insert(0, functools.partial(self._read_bigs, bigs, out))
         run_jobs(jobs, self.threads)
         return out
+
+    def _read_bigs(self, leaves: list[Leaf], out: dict[Path, Any]) -> None:
+        """Read the large leaves ``leaves`` into fresh aligned arrays by one call of
+        :attr:`read_many` (every range's requests sent before any is awaited), then
+        check each range's CRC32C."""
+        assert self.read_many is not None
+        arrays = []
+        for lf in leaves:
+            assert lf.dtype is not None
+            arrays.append(arr := aligned_empty(lf.shape, lf.dtype))  # so that a device may alias it
+            no_huge_pages(bytes_view(arr))  # fresh, written once as the ranges come: no compaction
+        pairs: list[tuple[int, memoryview]] = []
+        for lf, arr in zip(leaves, arrays, strict=True):
+            flat, pos = bytes_view(arr), 0
+            for off, n, _ in lf.ranges:
+                pairs.append((off, flat[pos : pos + n]))
+                pos += n
+        try:
+            self.read_many(pairs)
+        except CorruptionError:
+            for lf in leaves:  # find the leaf the damage is in (a short read: a truncated file)
+                self._read_big(lf, {})
+            raise
+
+        def check(lf: Leaf, arr: np.ndarray) -> None:
+            flat, pos = bytes_view(arr), 0
+            for i, (_, n, crc) in enumerate(lf.ranges):
+                self._check(lf, flat[pos : pos + n], crc, i)
+                pos += n
+            out[lf.path] = arr[()] if lf.kind == LeafKind.SC else arr
+
+        run_jobs([functools.partial(check, lf, arr) for lf, arr in zip(leaves, arrays, strict=True)],
+                 min(self.threads, 4))
 
     def _read_batch(self, group: list[Leaf], out: dict[Path, Any]) -> None:
         """Read the one-range leaves ``group`` (in file order, close together) by one read
@@ -363,8 +404,11 @@ def restore(
         shard_fns: per-leaf function(s) applied after reading (e.g. ``jax.device_put`` with
             a sharding): a callable ``(path, array) -> value`` or a mapping
             ``"a/b/c" -> fn(array)``.
-        threads: parallel reads (default: 8 on local disk; on object stores as many
-            ranged requests as the store's in-flight budget holds, 32 by default).
+        threads: reader threads (default: 8 on local disk, each reading a leaf or a
+            batch of small ones). On object stores one thread sends every large leaf's
+            ranged requests, as many at once as the store's in-flight budget holds (32
+            of 8 MiB by default: ``max_inflight_bytes`` of :func:`open_store` sets it);
+            ``threads`` then bounds the batches of small leaves read beside them.
         store: an already opened :class:`Store` to read from.
         collective: multi-host only: ``False`` reads in this process alone, without the
             others (e.g. in process 0 only); it is then not guaranteed to read the save
@@ -453,6 +497,7 @@ def _read(st: Store, name: str, ckpt: Checkpoint | None, found: FileInfo | None,
           allow_missing: bool, post: Callable[[Path, Any], Any] | None, threads: int) -> Any:
     """Read the tree of the opened checkpoint (or legacy file ``found``)."""
     read_into: Callable[[int, memoryview], None]
+    read_many: Callable[[list[tuple[int, memoryview]]], None] | None = None
     if ckpt is not None:
         where = ckpt.where(STATE_FILE)
         if STATE_FILE not in ckpt.files or INDEX_FILE not in ckpt.files:
@@ -470,11 +515,16 @@ def _read(st: Store, name: str, ckpt: Checkpoint | None, found: FileInfo | None,
         def read_state(off: int, mv: memoryview) -> None:
             ckpt.read_range_into(STATE_FILE, off, mv)
 
+        def read_states(pairs: list[tuple[int, memoryview]]) -> None:
+            ckpt.read_ranges_into(STATE_FILE, pairs, threads=threads)
+
         read_into = read_state
+        if st.driver.capabilities.batched_reads:
+            read_many = read_states
     else:
         assert found is not None
         where, idx, read_into = _legacy_index(st, name, found)
-    reader = _Reader(read_into, where, threads)
+    reader = _Reader(read_into, where, threads, read_many)
     if target is None:
         return _read_subtree(reader, idx, ckpt, root, post)
     return _read_target(reader, idx, ckpt, target, root, allow_missing, post)

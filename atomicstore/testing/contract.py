@@ -415,6 +415,27 @@ class DriverContract:
         with pytest.raises(PreconditionFailedError):
             driver.read_into("t/v", 0, memoryview(bytearray(5)), generation=old)
 
+    def test_read_ranges_into_fills_every_range(self, driver: Driver) -> None:
+        data = payload(self.large, seed=5)
+        driver.put("t/many", data)
+        outs = [bytearray(n) for n in (MiB + 5, 3, 2 * MiB, 100)]
+        starts = [0, MiB + 5, 7, len(data) - 40]  # overlapping, out of order, past the end
+        ranges = [(a, memoryview(o)) for a, o in zip(starts, outs, strict=True)]
+        gen = driver.info("t/many").generation
+        assert driver.read_ranges_into("t/many", ranges, generation=gen) == [MiB + 5, 3, 2 * MiB, 40]
+        for a, o in zip(starts[:3], outs[:3], strict=True):
+            assert bytes(o) == data[a : a + len(o)]
+        assert bytes(outs[3][:40]) == data[-40:], "fewer only at the end of the object"
+        assert driver.read_ranges_into("t/many", [], threads=1) == []
+        one = bytearray(10)
+        assert driver.read_ranges_into("t/many", [(3, memoryview(one))], threads=1) == [10]
+        assert bytes(one) == data[3:13]
+        driver.put("t/many", b"replaced")
+        with pytest.raises(PreconditionFailedError):
+            driver.read_ranges_into("t/many", ranges, generation=gen)
+        with pytest.raises(NotFoundError):
+            driver.read_ranges_into("t/absent", ranges)
+
     def test_iter_read_streams_the_object_in_order(self, driver: Driver) -> None:
         data = payload(self.large, seed=4)
         driver.put("t/s", data)

@@ -104,6 +104,9 @@ def test_stalled_data_upload_times_out_and_commits_nothing(object_backend):
 
 def test_stalled_marker_times_out_in_time_and_store_stays_consistent(object_backend):
     timeout = 2.0
+    # the endpoint's conformance check (once per process) first, with the default timeout:
+    # a loaded SeaweedFS took over 2 s for a bucket's first multipart upload
+    object_backend.open().conformance()
     store = object_backend.open(operation_timeout=timeout)
     object_backend.faults(FaultPlan(stalls=[(is_conditional, 5.0)]))
     txn = store.transaction("late")
