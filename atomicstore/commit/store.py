@@ -113,11 +113,10 @@ class Checkpoint:
         """Read the whole of ``path`` into ``out`` (a writable buffer of exactly the file's
         size, e.g. a preallocated numpy array) and verify its CRC32C. No extra copy."""
         entry = self._entry(path)
-        mv = memoryview(out).cast("B")
-        if mv.readonly or mv.nbytes != entry.size:
+        mv = self._destination(path, entry, 0, out)
+        if mv.nbytes != entry.size:
             raise InvalidArgumentError(
-                f"read_into {self.where(path)}: need a writable buffer of {entry.size} bytes, "
-                f"got {'read-only ' if mv.readonly else ''}{mv.nbytes}"
+                f"read_into {self.where(path)}: need a writable buffer of {entry.size} bytes, got {mv.nbytes}"
             )
         if mv.nbytes <= PARALLEL_READ_CHUNK * 2:
             self.read_range_into(path, 0, mv)
@@ -138,15 +137,29 @@ class Checkpoint:
         entry.check(path, mv.nbytes, crc, where=self.where(path))
         return out
 
-    def read_range_into(self, path: str, start: int, out: Any) -> None:
-        """Fill the writable buffer ``out`` with bytes ``[start, start + len(out))`` of
-        ``path`` (not checksummed: the caller checks its own CRC32C)."""
-        entry = self._entry(path)
-        mv = memoryview(out).cast("B")
+    def _destination(self, path: str, entry: FileEntry, start: Any, out: Any) -> memoryview:
+        """``out`` as a writable byte view, checked to hold a range of ``path`` from ``start``."""
+        if not isinstance(start, int) or isinstance(start, bool):
+            raise InvalidArgumentError(f"a range of {self.where(path)} starts at an int, not {start!r}")
+        try:
+            mv = memoryview(out).cast("B")
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"read into {self.where(path)}: need a writable contiguous buffer, got {type(out).__name__}"
+            ) from None
+        if mv.readonly:
+            raise InvalidArgumentError(f"read into {self.where(path)}: the buffer is read-only")
         if not (start >= 0 and start + mv.nbytes <= entry.size):
             raise InvalidArgumentError(
                 f"range [{start}, {start + mv.nbytes}) outside {self.where(path)} of {entry.size} bytes"
             )
+        return mv
+
+    def read_range_into(self, path: str, start: int, out: Any) -> None:
+        """Fill the writable buffer ``out`` with bytes ``[start, start + len(out))`` of
+        ``path`` (not checksummed: the caller checks its own CRC32C)."""
+        entry = self._entry(path)
+        mv = self._destination(path, entry, start, out)
         if mv.nbytes == 0:
             return
         n = self.store.driver.read_into(self.key(path), start, mv)
@@ -160,13 +173,15 @@ class Checkpoint:
         object stores every range's requests go out from this thread before any is
         awaited; elsewhere on up to ``threads`` threads). Not checksummed."""
         entry = self._entry(path)
-        pairs = [(start, memoryview(out).cast("B")) for start, out in ranges]
-        for start, mv in pairs:
-            if not (start >= 0 and start + mv.nbytes <= entry.size):
-                raise InvalidArgumentError(
-                    f"range [{start}, {start + mv.nbytes}) outside {self.where(path)} of {entry.size} bytes"
-                )
-        pairs = [(start, mv) for start, mv in pairs if mv.nbytes]
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise InvalidArgumentError("threads must be a positive int")
+        pairs: list[tuple[int, memoryview]] = []
+        for item in ranges:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise InvalidArgumentError(f"a range of {self.where(path)} is (start, buffer), not {item!r:.80}")
+            mv = self._destination(path, entry, *item)
+            if mv.nbytes:
+                pairs.append((item[0], mv))
         counts = self.store.driver.read_ranges_into(self.key(path), pairs, threads=threads)
         for (start, mv), n in zip(pairs, counts, strict=True):
             if n != mv.nbytes:

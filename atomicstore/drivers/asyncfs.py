@@ -234,10 +234,18 @@ class AsyncFsspecDriver(Driver):
                 _populate_breadth_first(views[i], part, step)
             populated = len(futures)
 
+        # At most as many requests at once as the budget holds of full-size reads: many
+        # small ranges would otherwise all be sent at once (the budget counts bytes) and
+        # wait for a pooled connection inside their own operation timeout.
+        most = self.capabilities.io_threads
+        flying: list[concurrent.futures.Future[int]] = []
         try:
             for i, a, k in spans:
                 if futures and not self.inflight.fits(k):
                     populate_sent()
+                if len(flying) >= most:
+                    populate_sent()
+                    flying = _after_one_done(flying)
                 held = self.inflight.acquire(k, failed)
                 try:
                     fut = self.submit("read", key, partial(
@@ -248,21 +256,16 @@ class AsyncFsspecDriver(Driver):
                     raise
                 self.inflight.release_when_done(fut, held)
                 futures.append(fut)
+                flying.append(fut)
             populate_sent()
             counts = [f.result() for f in futures]
         except BaseException:
             for f in futures:
                 f.cancel()
             raise
-        totals = [0] * len(views)
-        ended = [False] * len(views)  # a range's bytes count up to its first short read
-        for (i, _, k), got in zip(spans, counts, strict=True):
-            if not ended[i]:
-                totals[i] += got
-                ended[i] = got < k  # the object ends here
         if not self.capabilities.native_generation_reads:
             self._still_at(key, generation)
-        return totals
+        return _bytes_read(len(views), spans, counts)
 
     async def _get_into_or_end(self, key: str, start: int, out: memoryview,
                                generation: str | None = None) -> int:
@@ -503,3 +506,25 @@ def _populate_breadth_first(mv: memoryview, todo: list[tuple[int, int]], step: i
                 populate_pages(mv[a + pos : a + min(k, pos + piece)], piece)
         pos += piece
         piece = min(4 * piece, step)  # (the first bytes come first: small slices)
+
+
+def _after_one_done(flying: list[concurrent.futures.Future[int]]) -> list[concurrent.futures.Future[int]]:
+    """Wait until one of the requests ``flying`` is done; those still flying (the error of
+    one that failed is raised)."""
+    concurrent.futures.wait(flying, return_when=concurrent.futures.FIRST_COMPLETED)
+    for f in flying:
+        if f.done() and not f.cancelled() and f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+    return [f for f in flying if not f.done()]
+
+
+def _bytes_read(n: int, spans: list[tuple[int, int, int]], counts: list[int]) -> list[int]:
+    """How many bytes each of ``n`` ranges got in a row, from the ranged reads of
+    ``spans`` ((range, offset, length) each) and ``counts`` (each one's)."""
+    totals = [0] * n
+    ended = [False] * n  # a range's bytes count up to its first short read
+    for (i, _, k), got in zip(spans, counts, strict=True):
+        if not ended[i]:
+            totals[i] += got
+            ended[i] = got < k  # the object ends here
+    return totals

@@ -152,9 +152,13 @@ class _Reader:
         try:
             self.read_many(pairs)
         except CorruptionError:
-            for lf in leaves:  # find the leaf the damage is in (a short read: a truncated file)
-                self._read_big(lf, {})
-            raise
+            # A short read: a truncated file, or a reply cut short on its way. Read each
+            # leaf again into the same array (no second copy of the state), the last in
+            # the file first (a truncation cuts the end): the first that is short names
+            # the leaf; if none is, the bytes are all here after all.
+            for lf, arr in reversed(list(zip(leaves, arrays, strict=True))):
+                self._read_big(lf, out, arr)
+            return
 
         def check(lf: Leaf, arr: np.ndarray) -> None:
             flat, pos = bytes_view(arr), 0
@@ -195,10 +199,12 @@ class _Reader:
                 arr = arr.copy()
             out[lf.path] = arr[()] if lf.kind == LeafKind.SC else arr
 
-    def _read_big(self, lf: Leaf, out: dict[Path, Any]) -> None:
-        """Read leaf ``lf`` alone, range by range, into a fresh aligned array."""
+    def _read_big(self, lf: Leaf, out: dict[Path, Any], arr: np.ndarray | None = None) -> None:
+        """Read leaf ``lf`` alone, range by range, into ``arr`` (default: a fresh aligned
+        array)."""
         assert lf.dtype is not None
-        arr = aligned_empty(lf.shape, lf.dtype)  # so that a device may alias it
+        if arr is None:
+            arr = aligned_empty(lf.shape, lf.dtype)  # so that a device may alias it
         flat = bytes_view(arr)
         pos = 0
         for i, (off, n, crc) in enumerate(lf.ranges):

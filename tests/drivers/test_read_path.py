@@ -16,8 +16,10 @@ observe each fix on the server or in the process, never by timing:
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -226,6 +228,85 @@ def test_a_truncated_state_file_names_the_leaf_it_cuts(object_backend):
     assert info.value.leaf == "b" and "state.msgpack" in str(info.value), info.value
 
 
+class CutOnce:
+    """WSGI middleware: the first ranged GET of a state file is answered with half its
+    bytes (and a Content-Length that says so): a reply cut short on its way."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]]) -> None:
+        self.app, self.cut = app, 0
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if self.cut or not (is_ranged_get(environ) and environ.get("PATH_INFO", "").endswith("/state.msgpack")):
+            return self.app(environ, start_response)
+        self.cut += 1
+        got: dict[str, Any] = {}
+        body = b"".join(self.app(environ, lambda status, headers, exc=None: got.update(status=status, headers=headers)))
+        headers = [(k, v) for k, v in got["headers"] if k.lower() != "content-length"]
+        start_response(got["status"], [*headers, ("Content-Length", str(len(body) // 2))])
+        return [body[: len(body) // 2]]
+
+
+def test_a_reply_cut_short_once_is_read_again_not_called_damage(object_backend):
+    """A ranged GET answered short (the object holds the bytes: the reply lost them) made
+    the batch of large leaves fail; each leaf is then read again into its own array, and
+    the restore returns the intact checkpoint instead of calling it damaged."""
+    store = object_backend.open()
+    tree = {"w0": np.arange(3 * MiB // 8, dtype=np.float64), "w1": np.ones(3 * MiB // 8)}
+    atomicstore.save("cut-reply", tree, store=store)
+    injector = object_backend.server.injector
+    real = injector.app
+    injector.app = cut = CutOnce(real)
+    try:
+        got = atomicstore.restore("cut-reply", {k: np.zeros(1) for k in tree}, store=store)
+    finally:
+        injector.app = real
+    assert cut.cut == 1
+    assert all(np.array_equal(got[k], v) for k, v in tree.items())
+
+
+TRUNCATED = """
+import json, sys
+import numpy as np
+import atomicstore
+
+def kib(field):  # VmHWM: the peak since clear_refs (ru_maxrss counts the parent's from before exec)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+url, options = sys.argv[1], json.loads(sys.argv[2])
+store = atomicstore.open_store(url, **options)
+store.open("big")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak starts again from here
+before = kib("VmRSS")
+try:
+    atomicstore.restore("big", {"a": np.zeros(1), "b": np.zeros(1)}, store=store)
+    print(json.dumps({"error": None}))
+except atomicstore.CorruptionError as exc:
+    print(json.dumps({"error": str(exc), "leaf": exc.leaf, "extra": kib("VmHWM") - before}))
+"""
+
+
+def test_a_truncated_state_is_named_without_a_second_copy_of_it(s3_backend, tmp_path):
+    """Naming the leaf a truncation cuts reads the leaves again into the arrays already
+    allocated: the restore's memory stays the state's, not twice it (measured in a fresh
+    process by peak RSS, a space measure)."""
+    b = s3_backend
+    store = b.open()
+    size = 96 * MiB
+    atomicstore.save("big", {"a": np.ones(MiB // 8), "b": np.full(size // 8, 2.0)}, store=store)
+    key = store.open("big").key("state.msgpack")
+    whole = store.driver.read(key)
+    store.driver.put(key, whole[: len(whole) - 4096])
+    out = subprocess.run([sys.executable, "-c", TRUNCATED, b.url, json.dumps(b.options)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["error"] and r["leaf"] == "b", r
+    print(f"\nrestore of a truncated {size // MiB} MiB state: peak grew by {r['extra'] / MiB:.0f} MiB")
+    assert r["extra"] < size + 64 * MiB, f"the restore of a {size // MiB} MiB state took {r['extra'] / MiB:.0f} MiB"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
 def test_a_large_read_populates_its_destination_before_the_data_comes(object_backend, gate):
     """The event-loop thread that receives every response spent most of its CPU on the
@@ -267,3 +348,55 @@ def test_populating_pages_never_changes_them():
     finally:
         del arr
         buf.close()
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_reading_ranges_into_hostile_buffers_is_refused(kind, tmp_path, request):
+    """``Checkpoint.read_ranges_into``/``read_range_into``/``read_into`` take writable
+    contiguous buffers and int starts inside the file: anything else is
+    InvalidArgumentError, and no buffer is written."""
+    store = make_backend(kind, request, tmp_path).open()
+    data = bytes(range(256)) * 64
+    with store.transaction("c") as txn:
+        txn.write_bytes("f", data)
+    ckpt = store.open("c")
+    hostile: list[Any] = [
+        [(0, b"\0" * 10)],  # read-only
+        [(0, np.frombuffer(bytes(10), np.uint8))],  # read-only numpy
+        [(0, np.zeros((4, 4), np.uint8)[:, ::2])],  # not contiguous
+        [(0, "abc")],  # not a buffer
+        [(0, bytearray(10), 1)],  # not (start, buffer)
+        [(7.9, bytearray(10))], [(True, bytearray(10))], [(None, bytearray(10))], [(-1, bytearray(10))],
+        [(len(data) - 5, bytearray(10))],  # past the end
+        [(0, bytearray(4)), "x"],
+    ]
+    for ranges in hostile:
+        with pytest.raises(atomicstore.InvalidArgumentError):
+            ckpt.read_ranges_into("f", ranges)
+    for start, buf in [(0, b"\0" * 10), (1.5, bytearray(3)), (0, "abc")]:
+        with pytest.raises(atomicstore.InvalidArgumentError):
+            ckpt.read_range_into("f", start, buf)
+    for bad in (b"\0" * len(data), "x" * len(data), bytearray(3)):
+        with pytest.raises(atomicstore.InvalidArgumentError):
+            ckpt.read_into("f", bad)
+    for threads in ("x", 0, True, 1.5):
+        with pytest.raises(atomicstore.InvalidArgumentError):
+            ckpt.read_ranges_into("f", [(0, bytearray(3))], threads=threads)
+    a, b = bytearray(5), np.zeros(7, np.uint8)
+    ckpt.read_ranges_into("f", [(3, a), (100, b), (9, bytearray())], threads=2)
+    assert bytes(a) == data[3:8] and b.tobytes() == data[100:107]
+
+
+def test_many_small_ranges_are_not_all_sent_at_once(object_backend, gate):
+    """The budget counts bytes: 200 ranges of 16 bytes would all go at once and wait for a
+    pooled connection inside their own timeouts. At most ``io_threads`` requests (what the
+    budget holds of full-size reads) are in flight."""
+    store = object_backend.open()
+    store.driver.put("many", bytes(range(256)) * 64)
+    most = store.driver.capabilities.io_threads
+    g = gate(object_backend, lambda n: n > most, wait=1.0)  # never opens unless over the cap
+    bufs = [bytearray(16) for _ in range(200)]
+    counts = store.driver.read_ranges_into("many", [(17 * i, memoryview(b)) for i, b in enumerate(bufs)])
+    assert counts == [16] * 200
+    assert all(bytes(b) == (bytes(range(256)) * 64)[17 * i : 17 * i + 16] for i, b in enumerate(bufs))
+    assert g.most == most, f"{g.most} ranged GETs at once, not {most}"
