@@ -6,6 +6,7 @@ import io
 from collections.abc import Iterator
 from typing import Any
 
+from ..errors import InvalidArgumentError
 from .manifest import Crc32cHasher, FileEntry
 
 
@@ -62,3 +63,20 @@ class CheckedReader(io.RawIOBase):
             parts.append(bytes(self._buf))
             self._buf = memoryview(b"")
         return b"".join(parts)
+
+
+def destination(where: str, size: int, start: Any, out: Any) -> memoryview:
+    """``out`` as a writable byte view, checked to hold a range of the file ``where`` (of
+    ``size`` bytes) from ``start``; InvalidArgumentError otherwise."""
+    if not isinstance(start, int) or isinstance(start, bool):
+        raise InvalidArgumentError(f"a range of {where} starts at an int, not {start!r}")
+    try:
+        mv = memoryview(out).cast("B")
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"read into {where}: need a writable contiguous buffer, "
+                                   f"got {type(out).__name__}") from None
+    if mv.readonly:
+        raise InvalidArgumentError(f"read into {where}: the buffer is read-only")
+    if not (start >= 0 and start + mv.nbytes <= size):
+        raise InvalidArgumentError(f"range [{start}, {start + mv.nbytes}) outside {where} of {size} bytes")
+    return mv

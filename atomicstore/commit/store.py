@@ -26,7 +26,7 @@ from ..errors import (
 )
 from ..retry import RetryPolicy
 from . import conformance
-from .checked import CheckedReader
+from .checked import CheckedReader, destination
 from .conformance import ConformanceReport
 from .context import CommitContext
 from .lease import DEFAULT_LEASE_TTL
@@ -113,7 +113,7 @@ class Checkpoint:
         """Read the whole of ``path`` into ``out`` (a writable buffer of exactly the file's
         size, e.g. a preallocated numpy array) and verify its CRC32C. No extra copy."""
         entry = self._entry(path)
-        mv = self._destination(path, entry, 0, out)
+        mv = destination(self.where(path), entry.size, 0, out)
         if mv.nbytes != entry.size:
             raise InvalidArgumentError(
                 f"read_into {self.where(path)}: need a writable buffer of {entry.size} bytes, got {mv.nbytes}"
@@ -137,29 +137,11 @@ class Checkpoint:
         entry.check(path, mv.nbytes, crc, where=self.where(path))
         return out
 
-    def _destination(self, path: str, entry: FileEntry, start: Any, out: Any) -> memoryview:
-        """``out`` as a writable byte view, checked to hold a range of ``path`` from ``start``."""
-        if not isinstance(start, int) or isinstance(start, bool):
-            raise InvalidArgumentError(f"a range of {self.where(path)} starts at an int, not {start!r}")
-        try:
-            mv = memoryview(out).cast("B")
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(
-                f"read into {self.where(path)}: need a writable contiguous buffer, got {type(out).__name__}"
-            ) from None
-        if mv.readonly:
-            raise InvalidArgumentError(f"read into {self.where(path)}: the buffer is read-only")
-        if not (start >= 0 and start + mv.nbytes <= entry.size):
-            raise InvalidArgumentError(
-                f"range [{start}, {start + mv.nbytes}) outside {self.where(path)} of {entry.size} bytes"
-            )
-        return mv
-
     def read_range_into(self, path: str, start: int, out: Any) -> None:
         """Fill the writable buffer ``out`` with bytes ``[start, start + len(out))`` of
         ``path`` (not checksummed: the caller checks its own CRC32C)."""
         entry = self._entry(path)
-        mv = self._destination(path, entry, start, out)
+        mv = destination(self.where(path), entry.size, start, out)
         if mv.nbytes == 0:
             return
         n = self.store.driver.read_into(self.key(path), start, mv)
@@ -179,7 +161,7 @@ class Checkpoint:
         for item in ranges:
             if not isinstance(item, tuple) or len(item) != 2:
                 raise InvalidArgumentError(f"a range of {self.where(path)} is (start, buffer), not {item!r:.80}")
-            mv = self._destination(path, entry, *item)
+            mv = destination(self.where(path), entry.size, *item)
             if mv.nbytes:
                 pairs.append((item[0], mv))
         counts = self.store.driver.read_ranges_into(self.key(path), pairs, threads=threads)
