@@ -140,15 +140,7 @@ class Checkpoint:
     def read_range_into(self, path: str, start: int, out: Any) -> None:
         """Fill the writable buffer ``out`` with bytes ``[start, start + len(out))`` of
         ``path`` (not checksummed: the caller checks its own CRC32C)."""
-        entry = self._entry(path)
-        mv = destination(self.where(path), entry.size, start, out)
-        if mv.nbytes == 0:
-            return
-        n = self.store.driver.read_into(self.key(path), start, mv)
-        if n != mv.nbytes:
-            raise ChecksumMismatchError(
-                f"{self.where(path)}: short read ({n} of {mv.nbytes} bytes at {start})", path=path
-            )
+        self.read_ranges_into(path, [(start, out)])
 
     def read_ranges_into(self, path: str, ranges: Sequence[tuple[int, Any]], *, threads: int | None = None) -> None:
         """:meth:`read_range_into` of each ``(start, out)`` of ``ranges``, all at once (on

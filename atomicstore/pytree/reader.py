@@ -139,13 +139,12 @@ class _Reader:
         check each range's CRC32C."""
         assert self.read_many is not None
         arrays = []
+        pairs: list[tuple[int, memoryview]] = []
         for lf in leaves:
             assert lf.dtype is not None
             arrays.append(arr := aligned_empty(lf.shape, lf.dtype))  # so that a device may alias it
-            no_huge_pages(bytes_view(arr))  # fresh, written once as the ranges come: no compaction
-        pairs: list[tuple[int, memoryview]] = []
-        for lf, arr in zip(leaves, arrays, strict=True):
             flat, pos = bytes_view(arr), 0
+            no_huge_pages(flat)  # fresh, written once as the ranges come: no compaction
             for off, n, _ in lf.ranges:
                 pairs.append((off, flat[pos : pos + n]))
                 pos += n

@@ -108,7 +108,7 @@ def before_first_read(store: atomicstore.Store, file: str, action: Callable[[], 
 
         setattr(drv, name, hooked)
 
-    for name in ("read", "read_into", "iter_read"):
+    for name in ("read", "read_into", "read_ranges_into", "iter_read"):
         wrap(name)
     return fired
 
