@@ -217,7 +217,9 @@ def test_a_commit_request_that_outlived_its_timeout_keeps_the_claim(object_backe
     both layouts were there."""
     b = object_backend
     ttl, grace, stall = 1.5, 1.5, 2.0  # the late PUT lands within ttl + grace
-    one = b.open(lease_ttl=ttl, grace=grace)
+    # the waiter's own lease outlives a loaded server's slow renewals; the wait is bounded
+    # by the failed save's ttl + grace, read from its lease
+    one = b.open(lease_ttl=4 * ttl, grace=grace)
     # the conformance check, once per endpoint and bucket: not under the short timeout
     conformance.ensure(one.driver, conformance.ONE_FILE)
     native = atomicstore.open_store(
@@ -250,7 +252,7 @@ def test_a_one_file_commit_that_outlived_its_timeout_keeps_the_claim(object_back
     the native save's objects under <name>/ are there: then the native save commits.)"""
     b = object_backend
     ttl, grace, stall = 1.5, 1.5, 2.0
-    native = b.open(lease_ttl=ttl, grace=grace)
+    native = b.open(lease_ttl=4 * ttl, grace=grace)  # the waiter: as in the test above
     conformance.ensure(native.driver, conformance.ONE_FILE)
     one = atomicstore.open_store(
         b.url, **b.options, lease_ttl=ttl, grace=grace, operation_timeout=0.5,
