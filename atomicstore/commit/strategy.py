@@ -177,6 +177,16 @@ class CommitStrategy(ABC):
         if it is gone), read in the same request as the commit point itself."""
         raise PreconditionFailedError(f"{self.driver.describe(name)}: no generations on this backend")
 
+    def resolve_ahead(self, name: str, generation: str | None, ahead: Sequence[str]
+                      ) -> tuple[str, bytes, dict[str, bytes]]:
+        """:meth:`resolve` (or :meth:`resolve_at` ``generation``), and the files ``ahead``
+        of the checkpoint (paths relative to it), read beside its manifest where that
+        saves a round trip. Best effort, unchecked: a file missing from the result (not
+        read ahead, gone, over :data:`READ_AHEAD_BYTES`) is read later in the usual way,
+        and the caller checks what it uses against the manifest. Here: none read ahead."""
+        prefix, raw = self.resolve(name) if generation is None else self.resolve_at(name, generation)
+        return prefix, raw, {}
+
     @abstractmethod
     def unpublish(self, name: str, *, if_generation: str | None = None) -> None:
         """Delete ``name``: remove the commit point first, then the data. Only the
@@ -331,6 +341,13 @@ class CommitStrategy(ABC):
             f"(expected {expected or 'none'}, found {found or 'none'})"
         )
 
+
+
+#: Most bytes of a file read ahead beside a manifest (:meth:`CommitStrategy.resolve_ahead`):
+#: a larger one is read the usual way, once the manifest gives its size.
+READ_AHEAD_BYTES = 4 * 2**20
+#: most files one :meth:`~atomicstore.Store.open` reads ahead
+MAX_READ_AHEAD = 8
 
 
 def read_capped(driver: Driver, key: str, limit: int) -> bytes:

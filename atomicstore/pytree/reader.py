@@ -320,7 +320,7 @@ def _open_here(st: Store, name: str) -> tuple[Checkpoint | None, FileInfo | None
     """(the committed checkpoint ``name``, None), or (None, the file's info) for a legacy
     flax checkpoint file."""
     try:
-        return st.open(name), None
+        return st.open(name, read_ahead=[INDEX_FILE]), None  # the index with the manifest
     except NotFoundError:
         # not one of ours: maybe a legacy flax checkpoint file
         if st.driver.exists(name):
