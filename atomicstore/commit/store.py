@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import logging
 import math
@@ -108,11 +109,10 @@ class Checkpoint:
 
     def read_bytes(self, path: str) -> bytes:
         """The whole of ``path``, verified against the manifest."""
+        entry = self._entry(path)
         data = self._ahead.pop(path, None)  # (Store.open's read_ahead: used once)
-        if data is not None:
-            entry = self._entry(path)
-            if len(data) == entry.size and crc32c(data) == entry.crc32c:
-                return data  # else read again: a damaged file raises from there
+        if data is not None and len(data) == entry.size and crc32c(data) == entry.crc32c:
+            return data  # (else read again: a damaged file raises from there)
         with self.open(path) as f:
             return f.readall()
 
@@ -449,9 +449,10 @@ class Store:
         :meth:`Checkpoint.read_bytes` of each then checks them against the manifest
         without a request (once)."""
         validate_name(name)
-        if not isinstance(read_ahead, list | tuple) or len(read_ahead) > MAX_READ_AHEAD:
+        paths = tuple(itertools.islice(read_ahead, MAX_READ_AHEAD + 1)) if isinstance(read_ahead, list | tuple) else None
+        if paths is None or len(paths) > MAX_READ_AHEAD:
             raise InvalidArgumentError(f"read_ahead: a list of at most {MAX_READ_AHEAD} paths, not {read_ahead!r:.80}")
-        ahead = tuple(validate_path(p, what="read_ahead path") for p in read_ahead)
+        ahead = tuple(dict.fromkeys(str.__str__(validate_path(p, what="read_ahead path")) for p in paths))
         prefix, raw, read = self.strategy.resolve_ahead(name, generation, ahead)
         manifest = Manifest.from_bytes(raw, where=self.driver.describe(f"{name}/manifest.json"))
         return Checkpoint(self, name, prefix, manifest, read)

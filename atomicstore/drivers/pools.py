@@ -40,8 +40,8 @@ def _forget_pool() -> None:
     """In a forked child the parent's pool threads do not exist: work submitted to it
     would never run. The child makes its own; likewise its own per-root process locks
     (one held by a parent thread at the fork would stay held in the child forever)."""
-    global _POOL, _PROCESS_LOCKS_GUARD
-    _POOL = None
+    global _POOL, _POOL_GUARD, _PROCESS_LOCKS_GUARD
+    _POOL, _POOL_GUARD = None, threading.Lock()  # (its guard too: a parent thread may hold it)
     _PROCESS_LOCKS.clear()
     _PROCESS_LOCKS_GUARD = threading.Lock()
 

@@ -320,7 +320,21 @@ def _open_here(st: Store, name: str) -> tuple[Checkpoint | None, FileInfo | None
     """(the committed checkpoint ``name``, None), or (None, the file's info) for a legacy
     flax checkpoint file."""
     try:
-        return st.open(name, read_ahead=[INDEX_FILE]), None  # the index with the manifest
+        try:
+            return st.open(name, read_ahead=[INDEX_FILE]), None  # the index with the manifest
+        except CorruptionError:
+            # The marker read may name an attempt that an overwrite or a delete removed
+            # right after: damage only if opening again, the commit point unchanged, fails
+            # the same way (else the checkpoint that is there now, or NotFoundError)
+            before = st.strategy.current(name)
+            try:
+                return st.open(name, read_ahead=[INDEX_FILE]), None
+            except CorruptionError:
+                if st.strategy.current(name) == before:
+                    raise
+                raise PreconditionFailedError(
+                    f"{st.driver.describe(name)} was replaced or deleted while it was being opened, "
+                    "twice: restore it again") from None
     except NotFoundError:
         # not one of ours: maybe a legacy flax checkpoint file
         if st.driver.exists(name):

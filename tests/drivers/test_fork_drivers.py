@@ -190,3 +190,44 @@ def test_a_store_on_a_filesystem_object_it_cannot_remake_refuses_clearly_in_a_ch
     assert "CHILD StorageError " in out and "open the store again in the child" in out, out + err
     assert "PARENT ['a']" in out, out + err
     assert "testing-secret-key" not in out  # (credentials never appear in an error)
+
+
+def _restore_in_child(store, q):  # (module level: the forked child runs it)
+    import numpy as np
+
+    import atomicstore
+    try:
+        q.put(("ok", bool(np.array_equal(atomicstore.restore("c", store=store)["w"], np.arange(50.0)))))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        q.put(("error", repr(exc)))
+
+
+def test_fork_while_a_parent_thread_looks_up_the_background_pool(request, tmp_path):
+    """Attacker finding: a parent thread inside ``background_pool()`` (holding its guard)
+    at the fork left the guard locked in the child, whose first restore (the index is
+    read ahead on that pool) then hung forever. The child makes its own guard, as it
+    makes its own pool."""
+    import numpy as np
+    from conftest import in_forked_child
+
+    import atomicstore
+    from atomicstore.drivers import pools
+
+    store = make_backend("s3", request, tmp_path).open()
+    atomicstore.save("c", {"w": np.arange(50.0)}, store=store)
+    held, release = threading.Event(), threading.Event()
+
+    def inside_the_lookup() -> None:
+        with pools._POOL_GUARD:  # where background_pool() is while it makes the pool
+            held.set()
+            release.wait(60)
+
+    t = threading.Thread(target=inside_the_lookup)
+    t.start()
+    held.wait(10)
+    try:
+        got, code = in_forked_child(_restore_in_child, store, timeout=30)
+    finally:
+        release.set()
+        t.join()
+    assert got == ("ok", True) and code == 0, (got, code)

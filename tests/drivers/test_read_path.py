@@ -444,6 +444,61 @@ def test_a_file_read_ahead_is_checked_and_read_once(kind, tmp_path, request):
     with pytest.raises(atomicstore.ChecksumMismatchError) as info:
         store.open("c", read_ahead=["small.bin"]).read_bytes("small.bin")
     assert info.value.path == "small.bin", info.value
-    for hostile in ("small.bin", ["../x"], ["a"] * 9, [b"small.bin"], 7, None):
+    class Lying(list):  # (attacker finding: the cap was checked on len(), then iterated whole)
+        def __len__(self) -> int:
+            return 0
+
+    for hostile in ("small.bin", ["../x"], ["a"] * 9, [b"small.bin"], 7, None, Lying(["small.bin"] * 40)):
         with pytest.raises(atomicstore.InvalidArgumentError):
             store.open("c", read_ahead=hostile)
+    with pytest.raises(atomicstore.InvalidArgumentError):  # (was a TypeError once read ahead)
+        store.open("c", read_ahead=["small.bin"]).read_bytes(["small.bin"])
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+@pytest.mark.parametrize("action", ["overwrite", "delete"])
+def test_a_checkpoint_replaced_while_its_manifest_is_read_is_not_called_damage(kind, action, request, tmp_path,
+                                                                              gate):
+    """Attacker finding: another writer overwrites or deletes the checkpoint while a
+    restore's manifest GET is held at the server. The marker it read names an attempt
+    that is gone, and restore called that damage (CorruptionError: the manifest is
+    missing). Now it opens again: the checkpoint that is there now, or NotFoundError."""
+    b = make_backend(kind, request, tmp_path)
+    store, other = b.open(), b.open()
+    old, new = {"w": np.full(100, 1.0)}, {"w": np.full(100, 2.0), "x": np.ones(3)}
+    atomicstore.save("c", old, store=store)
+    release, out = threading.Event(), {}
+    armed = [True]
+
+    def first_manifest_get(environ: dict[str, Any]) -> bool:
+        if _is_get_of("/manifest.json")(environ) and armed[0]:
+            armed[0] = False
+            return True
+        return False
+
+    g = gate(b, lambda n: release.is_set(), wait=20.0, match=first_manifest_get)
+
+    def read() -> None:
+        try:
+            out["tree"] = atomicstore.restore("c", store=store)
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            out["error"] = exc
+
+    t = threading.Thread(target=read)
+    t.start()
+    deadline = time.monotonic() + 10
+    while g.waiting < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert g.waiting == 1, "the manifest GET never reached the gate"
+    if action == "overwrite":
+        atomicstore.save("c", new, store=other, overwrite=True)
+    else:
+        other.delete("c")
+    release.set()
+    t.join(30)
+    assert not g.timed_out
+    if action == "overwrite":
+        assert "tree" in out, out
+        assert sorted(out["tree"]) == ["w", "x"] and np.array_equal(out["tree"]["w"], new["w"])
+    else:
+        assert isinstance(out.get("error"), atomicstore.NotFoundError), out
