@@ -40,10 +40,12 @@ from ..errors import (
 )
 from .asyncfs import AsyncFsspecDriver
 from .parts import BufferedPartWriter, PartBody
+from .payload import register as _send_parts_as_views
 from .spec import Capabilities, FileInfo, Writer
 
 CHUNK_MULTIPLE = 256 * 2**10
 log = logging.getLogger("atomicstore.drivers")
+_send_parts_as_views()  # (drivers/payload.py)
 
 
 class _NoRetryGCSFileSystem(gcsfs.core.GCSFileSystem):  # type: ignore[misc]  # gcsfs is untyped

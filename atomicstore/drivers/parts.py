@@ -120,6 +120,19 @@ class PartBody(io.RawIOBase):
     def __len__(self) -> int:
         return self.size
 
+    def views(self, n: int) -> Iterator[memoryview]:
+        """The next ``n`` bytes (fewer at the end) as views of the buffers, no copy;
+        the position moves past each as it is taken."""
+        i = bisect.bisect_right(self._ends, self._pos)
+        while n > 0 and i < len(self._segs):
+            seg = self._segs[i]
+            a = self._pos - (self._ends[i] - seg.nbytes)
+            k = min(seg.nbytes - a, n)
+            self._pos += k
+            n -= k
+            i += 1
+            yield seg[a : a + k]
+
     def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")
         n = 0

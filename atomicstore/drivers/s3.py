@@ -38,9 +38,11 @@ from ..errors import (
 from .asyncfs import AsyncFsspecDriver
 from .classify import error_code_of, http_status_of
 from .parts import BufferedPartWriter, PartBody
+from .payload import register as _send_parts_as_views
 from .spec import Capabilities, Entry, FileInfo, Writer
 
 log = logging.getLogger("atomicstore.drivers")
+_send_parts_as_views()  # (drivers/payload.py)
 
 MIN_PART = 5 * 2**20
 #: sorts after every character a key may hold: ``<prefix>`` + this is past every key
