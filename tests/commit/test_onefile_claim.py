@@ -280,7 +280,7 @@ def test_a_paused_holder_is_fenced_and_its_claim_taken_over_after_ttl_plus_grace
     name = "checkpoint_6"
     ttl, grace = 1.0, 0.5
     a_store = s3_backend.open(block_size=PART, lease_ttl=ttl)
-    b_store = s3_backend.open(block_size=PART, lease_ttl=ttl, grace=grace)
+    b_store = s3_backend.open(block_size=PART, lease_ttl=60.0, grace=grace)  # (the waiter: its own lease outlives a loaded server)
     a_paused = Held(reads_lease)  # A's lease check, sent with its claim PUT
     s3_backend.faults(FaultPlan(stalls=[(a_paused, 0.0)]))
     data_a, data_b = payload(1), payload(2)
@@ -334,7 +334,7 @@ def crash_holding_claim(backend: Backend, name: str) -> None:
 def test_a_crashed_holder_blocks_the_next_save_only_until_its_lease_is_dead(s3_backend: Backend) -> None:
     name = "checkpoint_7"
     crash_holding_claim(s3_backend, name)
-    store = s3_backend.open(block_size=PART, lease_ttl=1.0, grace=0.5)
+    store = s3_backend.open(block_size=PART, lease_ttl=60.0, grace=0.5)  # (the waiter: as above)
     assert store.driver.exists(f"{CLAIMS}{name}.json"), "the crashed save left its claim"
     data = payload(3)
     got = outcome(lambda: save_one(store, name, data))  # waits ttl + grace (1.5 s) at most
