@@ -299,7 +299,7 @@ def test_a_writer_paused_under_the_claim_never_commits_after_its_successor(
     round trip earlier) and both were told they committed; now it checks its lease's clock
     right before the commit request (no request) and refuses with LeaseLostError."""
     b = make_backend(kind, request, tmp_path)
-    parent = b.open(lease_ttl=1.0, grace=0.5)
+    parent = b.open(lease_ttl=60.0, grace=0.5)  # (the waiter: its own lease outlives a loaded server)
     parent.conformance()
     seen = {"claim": False}
 
