@@ -104,11 +104,14 @@ class _GCSWriter(BufferedPartWriter):
         size = sum(p.nbytes for p in pieces)
         bucket, obj = self.driver.split(key)
 
+        body = PartBody(pieces)
+
         async def upload() -> None:
-            out = await self.driver.upload(bucket, obj, PartBody(pieces), size)
+            body.seek(0)  # (each try sends it whole)
+            out = await self.driver.upload(bucket, obj, body, size)
             self.components[number] = (obj, str(out["generation"]))
 
-        return self._submit_part(f"upload component {number}", upload)
+        return self._submit_part(f"upload component {number}", upload, body)
 
     def _complete(self) -> None:
         d = self.driver

@@ -102,6 +102,10 @@ class PartBody(io.RawIOBase):
         self._ends = list(itertools.accumulate(s.nbytes for s in self._segs))
         self.size = self._ends[-1] if self._ends else 0
         self._pos = 0
+        #: set by the sender (:mod:`~atomicstore.drivers.payload`) as it hands the last
+        #: bytes to the connection: from then on the server may store the whole body even
+        #: if the request is cancelled (a closing connection still flushes what it holds)
+        self.handed_over = False
 
     def readable(self) -> bool:
         return True
@@ -115,6 +119,7 @@ class PartBody(io.RawIOBase):
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
         self._pos = max(0, base + offset)
+        self.handed_over = False  # a new try sends it again
         return self._pos
 
     def __len__(self) -> int:
@@ -326,6 +331,9 @@ class BufferedPartWriter(Writer):
         self._closing: concurrent.futures.Future[None] | None = None
         self._live = 0  # part requests running on the event loop now
         self._live_cond = threading.Condition()
+        #: the task of each part request running now, with its body (None: not known)
+        self._running: dict[asyncio.Future[Any], PartBody | None] = {}
+        self._discarding = False  # no new try of a part starts
         self._flying = 0  # parts handed to the backend and not done yet
         self._flying_cond = threading.Condition()
 
@@ -476,33 +484,64 @@ class BufferedPartWriter(Writer):
             if not self._bytes_landed(data):
                 raise
 
-    def _submit_part(self, op: str, make: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
+    def _submit_part(
+        self, op: str, make: Callable[[], Awaitable[T]], body: PartBody | None = None
+    ) -> concurrent.futures.Future[T]:
         """Submit a part request (with the retry policy), counted while it runs, so an
-        abort can wait until none is left in flight before it discards the upload."""
+        abort can wait until none is left in flight before it discards the upload;
+        ``body`` is what it sends (an abort cancels it only while not all of it was sent)."""
 
         async def counted() -> T:
+            if self._discarding:  # a retry after the upload was given up: not sent
+                raise StorageError(f"upload of {self.driver.describe(self.key)} was aborted")
+            task = asyncio.current_task()
+            assert task is not None
             with self._live_cond:
                 self._live += 1
+                self._running[task] = body
             try:
                 return await make()
             finally:
                 with self._live_cond:
                     self._live -= 1
+                    self._running.pop(task, None)
                     self._live_cond.notify_all()
 
         return self.driver.submit(op, self.key, counted)
 
     def _settle(self) -> None:
-        """Cancel every part request and wait until none is running any more (a request
-        still running could store a part after the upload is discarded)."""
+        """Stop every part request and wait until none is running any more: a request
+        still running could store a part after the upload is discarded.
+
+        A request whose body has not been sent whole is cancelled: the server gets a short
+        body and stores nothing. One whose body was sent whole is let finish (its answer is
+        a round trip away): cancelled, its part could still be stored after the discard, as
+        a closing connection flushes what it holds (seen on GCS: a component left behind).
+        Only if that takes longer than the operation timeout is it cancelled too."""
+        self._discarding = True
+        loop = self.driver.event_loop()
+
+        async def cancel_unsent() -> None:  # on the loop: no body moves on while it runs
+            with self._live_cond:
+                running = list(self._running.items())
+            for task, body in running:
+                if body is None or not body.handed_over:
+                    task.cancel()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_unsent(), loop).result(10)
+        with self._live_cond:
+            settled = self._live_cond.wait_for(
+                lambda: self._live == 0, timeout=self.driver.operation_timeout or 60.0)
+        if settled:
+            return
         for f in list(self._futures):
             f.cancel()
-        loop = self.driver.event_loop()
         for _ in range(2):  # the cancellations are delivered on the loop, in order
             with contextlib.suppress(Exception):
                 asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10)
         with self._live_cond:
-            self._live_cond.wait_for(lambda: self._live == 0, timeout=self.driver.operation_timeout or 60.0)
+            self._live_cond.wait_for(lambda: self._live == 0, timeout=10.0)
 
     def _finish(self) -> None:
         """Wait for every part, then complete the object; abort the upload on failure."""
@@ -530,15 +569,15 @@ class BufferedPartWriter(Writer):
         if self.aborted:
             return
         self.aborted = True
-        for f in list(self._futures):
-            f.cancel()
         self.driver.inflight.wake()  # a writer waiting for room gives up
         with self._flying_cond:
             self._flying_cond.notify_all()  # (or for a slot of this upload)
         closing = self._closing
         if closing is not None:
-            # closed: the completion aborts the upload itself if it fails; once it is over
-            # nothing of this upload is still in flight
+            # closed: the completion aborts the upload itself if it fails (it does, as it
+            # finds this upload aborted); once it is over nothing of it is still in flight
+            if self.started:
+                self._settle()
             with contextlib.suppress(BaseException):
                 closing.result()
             return

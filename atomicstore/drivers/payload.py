@@ -48,6 +48,8 @@ class PartPayload(aiohttp.payload.Payload):
         left = self._left if content_length is None else min(self._left, content_length)
         for view in body.views(left):
             for a in range(0, view.nbytes, CHUNK):
+                if body.tell() >= body.size and a + CHUNK >= view.nbytes:
+                    body.handed_over = True  # the last bytes: the server may now store it
                 await writer.write(view[a : a + CHUNK])
 
 

@@ -118,21 +118,23 @@ class _S3Writer(BufferedPartWriter):
             crc = zlib.crc32(p, crc)
         checksum = base64.b64encode(crc.to_bytes(4, "big")).decode()
         self.etags[number] = ("", None)
+        body = PartBody(pieces)  # streamed from the pieces, not copied whole
 
         async def upload() -> None:
+            body.seek(0)  # (each try sends it whole)
             out = await self.driver.s3call(
                 "upload_part",
                 Bucket=self.bucket,
                 Key=self.obj,
                 UploadId=self.upload_id,
                 PartNumber=number,
-                Body=PartBody(pieces),  # streamed from the pieces, not copied whole
+                Body=body,
                 ChecksumAlgorithm=PART_CHECKSUM,
                 **{f"Checksum{PART_CHECKSUM}": checksum},
             )
             self.etags[number] = (out["ETag"], out.get(f"Checksum{PART_CHECKSUM}"))
 
-        return self._submit_part(f"upload part {number}", upload)
+        return self._submit_part(f"upload part {number}", upload, body)
 
     def _complete(self) -> None:
         parts = []

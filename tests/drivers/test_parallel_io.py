@@ -176,6 +176,36 @@ def test_a_failed_part_aborts_the_upload_and_leaves_nothing(object_backend):
     assert leftovers(store) == {"objects": [], "uploads": []}
 
 
+def test_a_part_sent_whole_when_the_upload_fails_is_not_left_behind(object_backend, tracked):
+    """A part whose body the server has whole when the upload is given up may still be
+    stored: cancelling its request does not stop the server (a closing connection flushes
+    what it holds). The abort waits for it before it discards the upload, so nothing is
+    left. It used to cancel it, and a GCS component could be stored after the discard."""
+    store = object_backend.open(block_size=5 * MiB, max_inflight_bytes=20 * MiB,
+                                retry=atomicstore.RetryPolicy(attempts=1))
+
+    def second_part(env: dict) -> bool:
+        p = part_of(env)
+        return p is not None and p[1] == 2
+
+    def third_part(env: dict) -> bool:
+        p = part_of(env)
+        return p is not None and p[1] == 3
+
+    # part 2 is held at the server, after its request arrived and before its body is
+    # read (the client has handed it all to the connection), until after part 3 failed
+    t = tracked(lambda env: second_part(env) and part_of(env), hold=1.0)
+    object_backend.faults(FaultPlan(error_rate=1.0, applies_to=third_part))
+    with pytest.raises(atomicstore.StorageError):
+        atomicstore.save(f"{object_backend.url}/step_1", {"w": np.ones(5 * MiB, np.int32)}, store=store)
+    object_backend.faults(None)
+    assert [p[1] for p in t.seen] == [2]
+    time.sleep(1.5)  # (were it still on its way, it would have landed by now)
+    assert store.list() == []
+    assert store.driver.inflight.used == 0
+    assert leftovers(store) == {"objects": [], "uploads": []}
+
+
 def test_recovery_removes_the_parts_of_a_crashed_upload_but_not_of_one_in_flight(object_backend):
     store = object_backend.open(block_size=5 * MiB, lease_ttl=30)
     txn = store.transaction("step_1")
