@@ -6,6 +6,8 @@ hostile: sizes are bounded, every field's type is checked, every path re-validat
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ctypes
 import dataclasses
 import glob
@@ -13,6 +15,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +23,7 @@ import google_crc32c
 import numpy as np
 
 from ..errors import ChecksumMismatchError, CorruptionError, InvalidArgumentError
-from .names import validate_name, validate_path
+from .names import MANIFEST_FILE, validate_name, validate_path
 
 MANIFEST_FORMAT = "atomicstore.manifest/1"
 MARKER_FORMAT = "atomicstore.marker/1"
@@ -36,6 +39,11 @@ MAX_METADATA_BYTES = MAX_MANIFEST_BYTES - MANIFEST_RESERVE
 #: reaching Python's recursion limit).
 MAX_METADATA_DEPTH = 100
 MAX_MARKER_BYTES = 64 * 2**10
+#: Most bytes of its checkpoint's own files a commit marker carries: its manifest, then
+#: small files whole, in the order given (:meth:`Marker.new`). A reader that finds them
+#: there has the checkpoint's metadata after one request, not two. Base64 and the rest of
+#: the marker keep it well under :data:`MAX_MARKER_BYTES`, the most any reader accepts.
+MARKER_INLINE_BYTES = 24 * 2**10
 
 
 def _load_extend() -> Any:
@@ -255,7 +263,10 @@ class Marker:
 
     Names the attempt whose data is committed, the writer, and the SHA-256 of the
     attempt's manifest: a reader trusts the checkpoint only if the manifest it finds has
-    that digest.
+    that digest. It may carry copies of the manifest and of small files of the attempt
+    (``inline``, at most :data:`MARKER_INLINE_BYTES`): the manifest copy is used only if
+    it has that digest, a file's only if it has the size and CRC32C the manifest gives.
+    Readers that predate ``inline`` ignore it and read the files themselves.
     """
 
     name: str
@@ -266,8 +277,10 @@ class Marker:
     #: for an overwrite, the marker this one replaced (so that a commit whose data
     #: vanished can be rolled back to it by its writer or by recovery)
     replaces: Marker | None = None
+    #: copies of files of the attempt, by path (the manifest under ``manifest.json``)
+    inline: Mapping[str, bytes] = field(default_factory=dict, compare=False, repr=False)
 
-    def _doc(self) -> dict[str, Any]:
+    def _doc(self, *, nested: bool = False) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "format": MARKER_FORMAT,
             "name": self.name,
@@ -276,8 +289,12 @@ class Marker:
             "manifest_sha256": self.manifest_sha256,
             "committed": self.committed,
         }
+        if nested:
+            return doc  # (a replaced marker is recorded without its copies)
         if self.replaces is not None:
-            doc["replaces"] = {k: v for k, v in self.replaces._doc().items() if k != "replaces"}
+            doc["replaces"] = self.replaces._doc(nested=True)
+        if self.inline:
+            doc["inline"] = {p: base64.b64encode(data).decode("ascii") for p, data in self.inline.items()}
         return doc
 
     def to_bytes(self) -> bytes:
@@ -285,10 +302,21 @@ class Marker:
 
     @classmethod
     def new(cls, name: str, attempt: str, writer: str, manifest: bytes,
-            replaces: Marker | None = None) -> Marker:
+            replaces: Marker | None = None, files: Mapping[str, bytes] | None = None) -> Marker:
+        """A marker committing ``attempt``, whose manifest is ``manifest``. It carries the
+        manifest and then as many of ``files`` (small files of the attempt, whole) as fit
+        in :data:`MARKER_INLINE_BYTES`, in their order."""
         if replaces is not None:
-            replaces = dataclasses.replace(replaces, replaces=None)  # one level only
-        return cls(name, attempt, writer, sha256(manifest), time.time(), replaces)
+            replaces = dataclasses.replace(replaces, replaces=None, inline={})  # one level only
+        inline: dict[str, bytes] = {}
+        room = MARKER_INLINE_BYTES - len(manifest)
+        if room >= 0:
+            inline[MANIFEST_FILE] = bytes(manifest)
+            for path, data in (files or {}).items():
+                if path != MANIFEST_FILE and len(data) <= room:
+                    inline[path] = bytes(data)
+                    room -= len(data)
+        return cls(name, attempt, writer, sha256(manifest), time.time(), replaces, inline)
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Marker:
@@ -297,9 +325,10 @@ class Marker:
             prev = doc.get("replaces")
             if prev is not None and not isinstance(prev, dict):
                 raise TypeError("replaces is not an object")
-            return cls._from_doc(doc, None if prev is None else cls._from_doc(prev, None))
+            marker = cls._from_doc(doc, None if prev is None else cls._from_doc(prev, None))
         except (KeyError, TypeError, ValueError, InvalidArgumentError) as exc:
             raise CorruptionError(f"{where}: malformed commit marker ({exc})", path=where) from exc
+        return dataclasses.replace(marker, inline=_inline(doc.get("inline")))
 
     @classmethod
     def _from_doc(cls, doc: dict[str, Any], replaces: Marker | None) -> Marker:
@@ -314,6 +343,21 @@ class Marker:
             float(doc["committed"]),
             replaces,
         )
+
+
+def _inline(raw: Any) -> dict[str, bytes]:
+    """The file copies a marker carries; any entry that is not a path and base64 text is
+    left out (a copy is only ever a shortcut: the reader reads the file instead)."""
+    out: dict[str, bytes] = {}
+    if not isinstance(raw, dict):
+        return out
+    for path, text in raw.items():
+        if isinstance(path, str) and isinstance(text, str):
+            try:
+                out[path] = base64.b64decode(text, validate=True)
+            except (binascii.Error, ValueError):
+                continue
+    return out
 
 
 def encode_metadata(metadata: Any, *, what: str = "metadata", depth: int = MAX_METADATA_DEPTH,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 
 from ..errors import (
@@ -109,7 +109,7 @@ class MarkerStrategy(CommitStrategy):
     def publish(
         self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
         expected: str | None = None, check: Callable[[], None] | None = None,
-        claim: NameClaim | None = None,
+        claim: NameClaim | None = None, inline: Mapping[str, bytes] | None = None,
     ) -> None:
         d = self.driver
         old: Marker | None = None
@@ -133,7 +133,7 @@ class MarkerStrategy(CommitStrategy):
             if claim is not None:
                 claim.confirm()  # not paused past the lease since its check (no request)
             try:
-                outcome, written = self._commit_point(name, attempt, writer, manifest, old, gen, check)
+                outcome, written = self._commit_point(name, attempt, writer, manifest, old, gen, check, inline)
             except AlreadyExistsError:
                 raise  # refused (or declared dead): nothing of ours can land any more
             except BaseException:
@@ -174,13 +174,15 @@ class MarkerStrategy(CommitStrategy):
             raise
 
     def _commit_point(self, name: str, attempt: str, writer: str, manifest: bytes, old: Marker | None,
-                      gen: str | None, check: Callable[[], None] | None) -> tuple[Settled, str | None]:
-        """Create (or, at ``gen``, replace) the marker: the commit point. Returns
+                      gen: str | None, check: Callable[[], None] | None,
+                      inline: Mapping[str, bytes] | None = None) -> tuple[Settled, str | None]:
+        """Create (or, at ``gen``, replace) the marker: the commit point. It carries the
+        manifest and ``inline`` files as far as they fit (:meth:`Marker.new`). Returns
         (outcome, the marker's generation if ours): :attr:`Settled.OURS` or
         :attr:`Settled.SUPERSEDED` (see :meth:`settle`); raises when another writer won
         or the outcome is unknown."""
         d = self.driver
-        marker = Marker.new(name, attempt, writer, manifest, replaces=old)
+        marker = Marker.new(name, attempt, writer, manifest, replaces=old, files=inline)
         outcome = Settled.OURS
         try:  # the commit point
             written = d.put(f"{name}/{MARKER_FILE}", marker.to_bytes(), exclusive=gen is None,
@@ -304,9 +306,13 @@ class MarkerStrategy(CommitStrategy):
 
     def resolve_ahead(self, name: str, generation: str | None, ahead: Sequence[str]
                       ) -> tuple[str, bytes, dict[str, bytes]]:
-        """The marker names the attempt, so its files ``ahead`` are read together with
-        its manifest: one round trip, not two. (An attempt's files are written once and
-        only ever deleted; the caller checks them against the manifest.)"""
+        """The marker names the attempt, and usually carries its manifest and small files
+        (:meth:`Marker.new`): then the checkpoint's metadata takes this one request. The
+        files ``ahead`` it does not carry, and the manifest if it does not, are read
+        together: one round trip more, not one each. (An attempt's files are written
+        once, before its marker, and only ever deleted; the manifest copy is used only if
+        it has the digest the marker names, and the caller checks the files against the
+        manifest.)"""
         key = f"{name}/{MARKER_FILE}"
         try:
             if generation is None:
@@ -318,15 +324,18 @@ class MarkerStrategy(CommitStrategy):
         if marker.name != name:
             raise CorruptionError(f"{self.driver.describe(name)}: marker names {marker.name!r}")
         prefix = self._prefix(name, marker.attempt)
+        carried = marker.inline.get(MANIFEST_FILE)
+        if carried is not None and sha256(carried) != marker.manifest_sha256:
+            carried = None  # (not the manifest it names: read the manifest itself)
+        done = {p: marker.inline[p] for p in ahead if carried is not None and p in marker.inline}
 
         def read(path: str) -> Callable[[], bytes]:
             return lambda: read_capped(self.driver, f"{prefix}/{path}", READ_AHEAD_BYTES)
 
-        reads = {p: self.driver.background(read(p)) for p in ahead}
+        reads = {p: self.driver.background(read(p)) for p in ahead if p not in done}
         try:
-            manifest = self._manifest(name, prefix, marker)
+            manifest = carried if carried is not None else self._manifest(name, prefix, marker)
         finally:
-            done = {}
             for p, fut in reads.items():  # every one done before this returns
                 try:
                     data = fut.result()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import posixpath
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import (
     AlreadyExistsError,
@@ -77,7 +77,7 @@ class RenameStrategy(CommitStrategy):
     def publish(
         self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
         expected: str | None = None, check: Callable[[], None] | None = None,
-        claim: NameClaim | None = None,
+        claim: NameClaim | None = None, inline: Mapping[str, bytes] | None = None,
     ) -> None:
         d = self.driver
         staging = self._staging(name, attempt)

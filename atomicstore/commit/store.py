@@ -123,8 +123,7 @@ class Checkpoint:
         mv = destination(self.where(path), entry.size, 0, out)
         if mv.nbytes != entry.size:
             raise InvalidArgumentError(
-                f"read_into {self.where(path)}: need a writable buffer of {entry.size} bytes, got {mv.nbytes}"
-            )
+                f"read_into {self.where(path)}: need a writable buffer of {entry.size} bytes, got {mv.nbytes}")
         if mv.nbytes <= PARALLEL_READ_CHUNK * 2:
             self.read_range_into(path, 0, mv)
             crc = crc32c(mv)
@@ -167,29 +166,33 @@ class Checkpoint:
         for (start, mv), n in zip(pairs, counts, strict=True):
             if n != mv.nbytes:
                 raise ChecksumMismatchError(
-                    f"{self.where(path)}: short read ({n} of {mv.nbytes} bytes at {start})", path=path
-                )
+                    f"{self.where(path)}: short read ({n} of {mv.nbytes} bytes at {start})", path=path)
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``path`` (not checksummed: a part of a file cannot be;
         the pytree layer checks each leaf's own CRC32C)."""
         entry = self._entry(path)
         if not (0 <= start <= end <= entry.size):
-            raise InvalidArgumentError(
-                f"range [{start}, {end}) outside {self.where(path)} of {entry.size} bytes"
-            )
+            raise InvalidArgumentError(f"range [{start}, {end}) outside {self.where(path)} of {entry.size} bytes")
         data = self.store.driver.read(self.key(path), start, end)
         if len(data) != end - start:
             raise ChecksumMismatchError(
-                f"{self.where(path)}: short read ({len(data)} of {end - start} bytes)", path=path
-            )
+                f"{self.where(path)}: short read ({len(data)} of {end - start} bytes)", path=path)
         return data
 
     def verify(self) -> Manifest:
         """Re-read every file and check size and CRC32C; raise on the first mismatch
-        (:class:`ChecksumMismatchError` naming the file)."""
+        (:class:`ChecksumMismatchError` naming the file). The stored manifest too, which
+        ``open`` may have read from the commit marker's copy (:class:`CorruptionError`)."""
         driver = self.store.driver
         found = driver.find(self.prefix)
+        try:
+            stored = Manifest.from_bytes(driver.read(self.key(MANIFEST_FILE)), where=self.where(MANIFEST_FILE))
+        except NotFoundError:
+            stored = None
+        if stored != self.manifest:
+            raise CorruptionError(f"{self.where(MANIFEST_FILE)}: missing, or not the manifest the checkpoint "
+                                  "was opened with", path=MANIFEST_FILE)
         for path, entry in sorted(self.manifest.files.items()):
             key = self.key(path)
             if key not in found:
@@ -534,14 +537,12 @@ class Store:
         if self.exists(name):
             raise InvalidArgumentError(
                 f"{self.driver.describe(name)} is a committed checkpoint, not a one-file checkpoint: "
-                "delete it with Store.delete"
-            )
+                "delete it with Store.delete")
         found = self.driver.info(name).generation  # NotFoundError: no file (or a directory)
         if if_generation is not None and found != if_generation:
             raise PreconditionFailedError(
                 f"{self.driver.describe(name)} changed since it was read (expected generation "
-                f"{if_generation}, found {found}): nothing deleted"
-            )
+                f"{if_generation}, found {found}): nothing deleted")
         self.driver.delete(name, if_generation=found)
 
     # -- recovery -----------------------------------------------------------------------
@@ -666,8 +667,7 @@ def _refuse_reserved_root(url_or_path: Any) -> None:
         if part == ".atomicstore" or part.startswith("attempt-"):
             raise InvalidArgumentError(
                 f"{url_or_path}: a store root inside atomicstore's reserved layout ({part!r}: "
-                "another store's reserved directory or a save attempt's files) is refused"
-            )
+                "another store's reserved directory or a save attempt's files) is refused")
 
 
 def _refuse_root_inside_checkpoint(driver: Driver) -> None:

@@ -28,7 +28,7 @@ import posixpath
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -135,7 +135,7 @@ class CommitStrategy(ABC):
     def publish(
         self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
         expected: str | None = None, check: Callable[[], None] | None = None,
-        claim: NameClaim | None = None,
+        claim: NameClaim | None = None, inline: Mapping[str, bytes] | None = None,
     ) -> None:
         """Write the manifest and make the attempt the committed ``name`` (the commit
         point). Raises :class:`CommitConflictError` if another attempt won. With
@@ -146,7 +146,9 @@ class CommitStrategy(ABC):
         before the commit point: nothing this attempt writes comes after it. ``claim`` (the
         name's claim, on object stores: ``commit/claim.py``) is held around the commit
         point; the rename strategy needs none (a directory and a file cannot share a
-        name there)."""
+        name there). ``inline``: small files of the attempt, whole, by path, which the
+        commit point may carry for readers (the marker strategy does, within
+        :data:`~atomicstore.commit.manifest.MARKER_INLINE_BYTES`)."""
 
     @abstractmethod
     def attempt_prefix(self, name: str, attempt: str) -> str:

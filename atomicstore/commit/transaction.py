@@ -15,7 +15,14 @@ from typing import Any
 from ..drivers.spec import Writer
 from ..errors import AlreadyExistsError, InvalidArgumentError, TransactionError
 from .context import CommitContext
-from .manifest import MAX_MANIFEST_BYTES, Crc32cHasher, FileEntry, Manifest, encode_metadata
+from .manifest import (
+    MARKER_INLINE_BYTES,
+    MAX_MANIFEST_BYTES,
+    Crc32cHasher,
+    FileEntry,
+    Manifest,
+    encode_metadata,
+)
 from .names import validate_path
 
 log = logging.getLogger("atomicstore.commit")
@@ -57,6 +64,9 @@ class TransactionFile:
         self._hash = Crc32cHasher()
         self.closed = False
         self._leased = False
+        #: a copy of the file's bytes while it is small enough for the commit point to
+        #: carry (:data:`~atomicstore.commit.manifest.MARKER_INLINE_BYTES`); None after
+        self._kept: list[bytes] | None = []
 
     def write(
         self, data: bytes | bytearray | memoryview, *, crc32c: int | None = None, borrow: bool = False
@@ -78,6 +88,11 @@ class TransactionFile:
         if not self._leased and self._hash.size + mv.nbytes >= self._txn.context.driver.block_size:
             self._txn._lease.wait()  # a part may be uploaded now: not before the lease
             self._leased = True
+        if self._kept is not None:
+            if self._hash.size + mv.nbytes <= MARKER_INLINE_BYTES:
+                self._kept.append(bytes(mv))
+            else:
+                self._kept = None
         if crc32c is None:
             self._hash.update(mv)
         else:
@@ -103,14 +118,15 @@ class TransactionFile:
             return
         self._txn._lease.wait()  # nothing of the attempt is stored before its lease
         entry = FileEntry(self._hash.size, self._hash.value)
+        kept = None if self._kept is None else b"".join(self._kept)
         if wait:
             self._writer.close()
             self.closed = True
-            self._txn._file_done(self.path, entry)
+            self._txn._file_done(self.path, entry, kept=kept)
         else:
             done = self._writer.close_async()
             self.closed = True
-            self._txn._file_done(self.path, entry, self._writer, done)
+            self._txn._file_done(self.path, entry, self._writer, done, kept=kept)
 
     def abort(self) -> None:
         """Discard this file's bytes, best effort (leaving a ``with`` block on an error does
@@ -166,6 +182,10 @@ class Transaction:
         self.metadata = dict(metadata or {})
         encode_metadata(self.metadata)  # what no reader could read is refused before the lease
         self._files: dict[str, FileEntry] = {}
+        #: copies of small files, in the order closed, for the commit point to carry
+        #: (at most MARKER_INLINE_BYTES in all)
+        self._small: dict[str, bytes] = {}
+        self._small_bytes = 0
         self._open: dict[str, TransactionFile] = {}
         #: closed files whose upload may still be completing: path -> (writer, its future)
         self._closing: dict[str, tuple[Writer, concurrent.futures.Future[None]]] = {}
@@ -240,10 +260,13 @@ class Transaction:
             self._files[path] = FileEntry(size, crc32c)
 
     def _file_done(self, path: str, entry: FileEntry, writer: Writer | None = None,
-                   done: concurrent.futures.Future[None] | None = None) -> None:
+                   done: concurrent.futures.Future[None] | None = None, *, kept: bytes | None = None) -> None:
         with self._lock:
             self._open.pop(path, None)
             self._files[path] = entry
+            if kept is not None and self._small_bytes + len(kept) <= MARKER_INLINE_BYTES:
+                self._small[path] = kept
+                self._small_bytes += len(kept)
             if writer is not None and done is not None and not (done.done() and done.exception() is None):
                 self._closing[path] = (writer, done)
 
@@ -353,7 +376,7 @@ class Transaction:
             # manifest, right before the commit point
             self.context.strategy.publish(
                 self.name, self.attempt, self.context.writer_id, data, overwrite=self.overwrite,
-                expected=self.expected, check=checks, claim=self._claim,
+                expected=self.expected, check=checks, claim=self._claim, inline=self._small,
             )
         except AlreadyExistsError:  # refused at the commit point (another writer won,
             # or a one-file checkpoint of the name appeared): nothing was published

@@ -759,7 +759,9 @@ class AtomicStorageReader(_Located, StorageReader):
     def _open(self) -> Checkpoint:
         if self._ckpt is None:
             try:
-                self._ckpt = self.store.open(self.name)
+                # both small files beside the manifest (or in the commit marker): one
+                # round trip of metadata where the store allows, not three
+                self._ckpt = self.store.open(self.name, read_ahead=[METADATA_FILE, ITEMS_FILE])
             except NotFoundError as exc:
                 raise NotFoundError(f"{self.checkpoint_id}: no committed checkpoint ({exc})") from None
         return self._ckpt

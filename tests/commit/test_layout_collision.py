@@ -216,14 +216,16 @@ def test_a_commit_request_that_outlived_its_timeout_keeps_the_claim(object_backe
     was released at the failure: the one-file save committed, then the marker landed, and
     both layouts were there."""
     b = object_backend
-    ttl, grace, stall = 1.5, 1.5, 2.0  # the late PUT lands within ttl + grace
+    # the late PUT lands within ttl + grace; the short timeout (under the stall) cuts only
+    # the stalled request (0.5 s was once too short for a loaded moto's HEAD: 1.0)
+    ttl, grace, stall = 1.5, 1.5, 2.0
     # the waiter's own lease outlives a loaded server's slow renewals; the wait is bounded
     # by the failed save's ttl + grace, read from its lease
     one = b.open(lease_ttl=4 * ttl, grace=grace)
     # the conformance check, once per endpoint and bucket: not under the short timeout
     conformance.ensure(one.driver, conformance.ONE_FILE)
     native = atomicstore.open_store(
-        b.url, **b.options, lease_ttl=ttl, grace=grace, operation_timeout=0.5,
+        b.url, **b.options, lease_ttl=ttl, grace=grace, operation_timeout=1.0,
         retry=atomicstore.RetryPolicy(attempts=2, initial_wait=0.01, max_wait=0.05, deadline=2))
     b.faults(FaultPlan(stalls=[(is_marker_put, stall)]))  # every try of it
     txn = native.transaction(NAME)
@@ -255,7 +257,7 @@ def test_a_one_file_commit_that_outlived_its_timeout_keeps_the_claim(object_back
     native = b.open(lease_ttl=4 * ttl, grace=grace)  # the waiter: as in the test above
     conformance.ensure(native.driver, conformance.ONE_FILE)
     one = atomicstore.open_store(
-        b.url, **b.options, lease_ttl=ttl, grace=grace, operation_timeout=0.5,
+        b.url, **b.options, lease_ttl=ttl, grace=grace, operation_timeout=1.0,
         retry=atomicstore.RetryPolicy(attempts=2, initial_wait=0.01, max_wait=0.05, deadline=2))
     b.faults(FaultPlan(stalls=[(is_one_file_put, stall)]))
     f = one.one_file(NAME)

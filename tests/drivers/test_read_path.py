@@ -31,6 +31,8 @@ import pytest
 from conftest import Backend, make_backend
 
 import atomicstore
+from atomicstore.commit.manifest import MARKER_INLINE_BYTES, MAX_MARKER_BYTES, Marker
+from atomicstore.commit.names import MANIFEST_FILE, MARKER_FILE
 from atomicstore.drivers.asyncfs import OBJECT_BLOCK_SIZE
 
 MiB = 2**20
@@ -419,17 +421,123 @@ def _is_get_of(*names: str) -> Callable[[dict[str, Any]], bool]:
     return match
 
 
+#: metadata too large for the commit marker to carry the manifest (as a checkpoint of a
+#: writer before the marker carried it, or one with a large manifest)
+NOT_CARRIED = {"pad": "x" * MARKER_INLINE_BYTES}
+
+
 def test_a_restore_reads_the_index_beside_the_manifest(object_backend, gate):
     """A restore read the marker, then the manifest, then the index: three round trips
     before the first byte of data (boto3 sends one HEAD). The marker names the attempt, so
-    the index is now read together with the manifest: the server holds both at once."""
+    the index is read together with the manifest: the server holds both at once. (Where
+    the marker carries both, neither is read: the next test.)"""
     store = object_backend.open()
     tree = {"w": np.arange(1000.0), "b": {"c": np.ones(3, np.int8)}}
-    atomicstore.save("ahead", tree, store=store)
+    atomicstore.save("ahead", tree, store=store, metadata=NOT_CARRIED)
     g = gate(object_backend, lambda n: n >= 2, match=_is_get_of("/manifest.json", "/index.msgpack"))
     got = atomicstore.restore("ahead", store=store)
     assert not g.timed_out and g.most == 2, f"{g.most} of the manifest and index GETs were in flight at once"
     assert np.array_equal(got["w"], tree["w"]) and np.array_equal(got["b"]["c"], tree["b"]["c"])
+
+
+class Recorder:
+    """WSGI middleware: records every request as (method, path)."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]]) -> None:
+        self.app, self.seen = app, []
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        self.seen.append((environ.get("REQUEST_METHOD"), environ.get("PATH_INFO", "")))
+        return self.app(environ, start_response)
+
+
+@pytest.fixture
+def recorded() -> Iterator[Callable[[Backend], Recorder]]:
+    installed: list[tuple[Any, Any]] = []
+
+    def install(backend: Backend) -> Recorder:
+        injector = backend.server.injector
+        installed.append((injector, injector.app))
+        injector.app = r = Recorder(injector.app)
+        return r
+
+    yield install
+    for injector, app in reversed(installed):
+        injector.app = app
+
+
+def test_a_restore_reads_only_the_commit_point_before_its_data(object_backend, recorded):
+    """The commit marker carries the manifest and the index (small files of the attempt,
+    checked by the reader against the digest the marker names and the manifest's CRC32C):
+    a restore reads the marker, then the data. One round trip of metadata, as boto3's
+    HEAD; it was three, then two."""
+    store = object_backend.open()
+    tree = {"w": np.arange(1000.0), "b": {"c": np.ones(3, np.int8)}}
+    atomicstore.save("carried", tree, store=store)
+    r = recorded(object_backend)
+    got = atomicstore.restore("carried", store=store)
+    assert np.array_equal(got["w"], tree["w"]) and np.array_equal(got["b"]["c"], tree["b"]["c"])
+    reads = [p for m, p in r.seen if m == "GET"]
+    assert [p for p in reads if p.endswith(("/" + MANIFEST_FILE, "/index.msgpack"))] == [], reads
+    assert len([p for p in reads if p.endswith("/" + MARKER_FILE)]) == 1, reads
+    assert all(m == "GET" for m, _ in r.seen), r.seen  # (and no HEAD, LIST or write)
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_the_commit_marker_carries_what_fits_and_a_reader_checks_it(kind, tmp_path, request, recorded):
+    """The marker carries the manifest, then small files whole, in the order they were
+    closed, while they fit in MARKER_INLINE_BYTES; never a file of a part or more. A copy
+    is used only if it checks out (the manifest: the digest the marker names; a file: its
+    size and CRC32C in the manifest): a hostile or damaged copy is read from storage
+    instead, and a malformed ``inline`` is ignored, as readers before it ignore it all."""
+    b = make_backend(kind, request, tmp_path)
+    store = b.open()
+    small, mid, late = b"fine", os.urandom(20 * 1024), os.urandom(10 * 1024)
+    with store.transaction("c") as txn:
+        txn.write_bytes("small.bin", small)
+        with txn.open("mid.bin") as f:  # (written in pieces: kept whole)
+            f.write(mid[:5000])
+            f.write(mid[5000:])
+        txn.write_bytes("late.bin", late)  # (no room left for it)
+        txn.write_bytes("big.bin", bytes(5 * MiB))
+    key = f"c/{MARKER_FILE}"
+    raw = store.driver.read(key)
+    marker = Marker.from_bytes(raw, where=key)
+    assert sorted(marker.inline) == [MANIFEST_FILE, "mid.bin", "small.bin"]
+    assert marker.inline["small.bin"] == small and marker.inline["mid.bin"] == mid
+    assert sum(len(v) for v in marker.inline.values()) <= MARKER_INLINE_BYTES < len(raw) < MAX_MARKER_BYTES
+
+    def read_all(ahead: list[str]) -> list[tuple[str, str]]:
+        r = recorded(b)
+        ckpt = store.open("c", read_ahead=ahead)
+        assert [ckpt.read_bytes(p) for p in ("small.bin", "mid.bin", "late.bin")] == [small, mid, late]
+        return [(m, p.rsplit("/", 1)[-1]) for m, p in r.seen]
+
+    # carried: the marker, then only late.bin (read ahead beside nothing: no manifest GET)
+    assert read_all(["small.bin", "mid.bin", "late.bin"]) == [("GET", MARKER_FILE), ("GET", "late.bin")]
+    doc = json.loads(raw)
+    hostile = [
+        dict(doc, inline=dict(doc["inline"], **{"small.bin": "RklORQ=="})),  # b"FINE": CRC mismatch
+        dict(doc, inline=dict(doc["inline"], **{MANIFEST_FILE: "e30="})),  # b"{}": not the digest
+        dict(doc, inline={"small.bin": 7, "mid.bin": "not base64!", MANIFEST_FILE: None, "x": [1]}),
+        dict(doc, inline="everything"),
+    ]
+    for bad in hostile:
+        store.driver.put(key, json.dumps(bad).encode())
+        assert store.open("c").manifest.files["mid.bin"].size == len(mid)
+        seen = read_all(["small.bin", "mid.bin"])
+        assert ("GET", "small.bin") in seen or ("GET", MANIFEST_FILE) in seen, seen  # read from storage
+    store.driver.put(key, json.dumps(dict(doc, inline={"pad": "A" * MAX_MARKER_BYTES})).encode())
+    with pytest.raises(atomicstore.CorruptionError):  # (over the limit every reader has)
+        store.open("c")
+    store.driver.put(key, raw)
+    # an overwrite records the marker it replaced without its copies
+    with store.transaction("c", overwrite=True) as txn:
+        txn.write_bytes("small.bin", b"new")
+    now = Marker.from_bytes(store.driver.read(key), where=key)
+    assert now.replaces is not None and now.replaces.attempt == marker.attempt and not now.replaces.inline
+    assert "inline" not in json.loads(store.driver.read(key))["replaces"]
+    assert store.read_bytes("c", "small.bin") == b"new"
 
 
 @pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
@@ -440,7 +548,7 @@ def test_a_file_read_ahead_is_checked_and_read_once(kind, tmp_path, request):
     meanwhile, is read (or missed) the usual way."""
     b = make_backend(kind, request, tmp_path)
     store = b.open()
-    with store.transaction("c") as txn:
+    with store.transaction("c", metadata=NOT_CARRIED) as txn:  # (read ahead, not carried)
         txn.write_bytes("small.bin", b"fine")
         txn.write_bytes("big.bin", bytes(5 * MiB))
         txn.write_bytes("gone.bin", b"soon gone")
@@ -477,7 +585,7 @@ def test_a_checkpoint_replaced_while_its_manifest_is_read_is_not_called_damage(k
     b = make_backend(kind, request, tmp_path)
     store, other = b.open(), b.open()
     old, new = {"w": np.full(100, 1.0)}, {"w": np.full(100, 2.0), "x": np.ones(3)}
-    atomicstore.save("c", old, store=store)
+    atomicstore.save("c", old, store=store, metadata=NOT_CARRIED)  # (its manifest is read)
     release, out = threading.Event(), {}
     armed = [True]
 

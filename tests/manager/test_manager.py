@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import uncarried
 
 import atomicstore
 from atomicstore import CheckpointManager
@@ -277,9 +278,11 @@ def test_failed_overwrite_keeps_the_newer_steps(backend, how):
 
 
 def _garble_manifest(store: atomicstore.Store, name: str) -> None:
-    """Write garbage over the committed manifest of ``name`` (the attempt's, on object stores)."""
+    """Write garbage over the committed manifest of ``name`` (the attempt's, on object
+    stores, whose commit marker then carries no copy of it)."""
     prefix, _ = store.strategy.resolve(name)
     store.driver.put(f"{prefix}/manifest.json", b"\x00not a manifest")
+    uncarried(store, name)
 
 
 def test_unreadable_step_is_kept_uncounted_and_warned_about(backend, caplog):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_backend
+from conftest import make_backend, uncarried
 
 import atomicstore
 from atomicstore.compat import flax as ck
@@ -77,6 +77,7 @@ def test_ls_lists_a_damaged_checkpoint_with_the_reason(populated):
     st = b.open()
     prefix, _ = st.strategy.resolve("checkpoint_1")
     st.driver.put(f"{prefix}/manifest.json", b"\x00not a manifest")  # garbage over the manifest
+    uncarried(st, "checkpoint_1")  # (and no copy of it in the commit marker)
     out = json.loads(cli("ls", b.url, "--all", "--json", *o).stdout)
     rows = {r["name"]: r for r in out["checkpoints"]}
     assert rows["checkpoint_1"]["kind"] == "damaged" and "manifest" in rows["checkpoint_1"]["why"]
