@@ -69,12 +69,13 @@ class Checkpoint:
     """A committed checkpoint opened for reading: its manifest and its files."""
 
     def __init__(self, store: Store, name: str, prefix: str, manifest: Manifest,
-                 ahead: dict[str, bytes] | None = None) -> None:
+                 ahead: dict[str, bytes] | None = None, raw: bytes | None = None) -> None:
         self.store = store
         self.name = name
         self.prefix = prefix
         self.manifest = manifest
         self._ahead = dict(ahead or {})  # files read beside the manifest, not yet checked
+        self._raw = raw  # the manifest's bytes as opened (verify compares the stored ones)
 
     @property
     def files(self) -> dict[str, FileEntry]:
@@ -182,15 +183,15 @@ class Checkpoint:
 
     def verify(self) -> Manifest:
         """Re-read every file and check size and CRC32C; raise on the first mismatch
-        (:class:`ChecksumMismatchError` naming the file). The stored manifest too, which
-        ``open`` may have read from the commit marker's copy (:class:`CorruptionError`)."""
+        (:class:`ChecksumMismatchError` naming the file). The stored manifest too, byte for
+        byte, which ``open`` may have read from the commit marker's copy (:class:`CorruptionError`)."""
         driver = self.store.driver
         found = driver.find(self.prefix)
-        try:
-            stored = Manifest.from_bytes(driver.read(self.key(MANIFEST_FILE)), where=self.where(MANIFEST_FILE))
+        try:  # (the bytes: a stored manifest only readers of it refuse is damage too)
+            stored = driver.read(self.key(MANIFEST_FILE)) if self._raw is not None else None
         except NotFoundError:
-            stored = None
-        if stored != self.manifest:
+            stored = b""
+        if stored != self._raw:
             raise CorruptionError(f"{self.where(MANIFEST_FILE)}: missing, or not the manifest the checkpoint "
                                   "was opened with", path=MANIFEST_FILE)
         for path, entry in sorted(self.manifest.files.items()):
@@ -458,7 +459,7 @@ class Store:
         ahead = tuple(dict.fromkeys(str.__str__(validate_path(p, what="read_ahead path")) for p in paths))
         prefix, raw, read = self.strategy.resolve_ahead(name, generation, ahead)
         manifest = Manifest.from_bytes(raw, where=self.driver.describe(f"{name}/manifest.json"))
-        return Checkpoint(self, name, prefix, manifest, read)
+        return Checkpoint(self, name, prefix, manifest, read, raw)
 
     def manifest(self, name: str) -> Manifest:
         """The manifest of committed checkpoint ``name``: its files with their sizes and

@@ -392,8 +392,12 @@ class Transaction:
             raise
 
     def abort(self) -> None:
-        """Discard everything written; nothing becomes visible. Idempotent.
-        :class:`~atomicstore.TransactionError` in a forked child (nothing is changed)."""
+        """Discard everything written; nothing becomes visible. Idempotent, and a no-op
+        once :meth:`commit` was called: a commit that raised with its outcome unknown (its
+        commit request timed out, or its reply was lost after the last retry) may still
+        land afterwards, which no abort can take back (the attempt's data is kept for it;
+        delete the checkpoint if it appears). :class:`~atomicstore.TransactionError` in a
+        forked child (nothing is changed)."""
         self._check_owner("abort")
         with self._lock:
             if self._state is not _State.OPEN:

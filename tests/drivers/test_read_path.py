@@ -538,6 +538,14 @@ def test_the_commit_marker_carries_what_fits_and_a_reader_checks_it(kind, tmp_pa
     assert now.replaces is not None and now.replaces.attempt == marker.attempt and not now.replaces.inline
     assert "inline" not in json.loads(store.driver.read(key))["replaces"]
     assert store.read_bytes("c", "small.bin") == b"new"
+    # verify compares the stored manifest byte for byte (attacker finding: it compared
+    # the parsed manifests, and passed one that every reader without the copy refuses)
+    prefix = store.open("c").prefix
+    stored = store.driver.read(f"{prefix}/{MANIFEST_FILE}")
+    store.driver.put(f"{prefix}/{MANIFEST_FILE}", stored + b"\n ")
+    assert store.read_bytes("c", "small.bin") == b"new"  # (the copy: the data is intact)
+    with pytest.raises(atomicstore.CorruptionError, match="manifest"):
+        store.verify("c")
 
 
 @pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
