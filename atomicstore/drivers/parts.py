@@ -28,6 +28,11 @@ from .spec import Writer
 log = logging.getLogger("atomicstore.drivers")
 T = TypeVar("T")
 
+#: most seconds an abort waits for the parts whose bodies the server already has (their
+#: answer is a round trip away unless the server is stalled; then they are cancelled and
+#: what they may still store is left to recovery): an interrupted save stays prompt
+ABORT_WAIT = 10.0
+
 
 class InflightBudget:
     """Bytes of requests in flight at once on one store, shared by all its writers and
@@ -517,7 +522,8 @@ class BufferedPartWriter(Writer):
         body and stores nothing. One whose body was sent whole is let finish (its answer is
         a round trip away): cancelled, its part could still be stored after the discard, as
         a closing connection flushes what it holds (seen on GCS: a component left behind).
-        Only if that takes longer than the operation timeout is it cancelled too."""
+        Only if that takes longer than :data:`ABORT_WAIT` (or the operation timeout, if
+        shorter) is it cancelled too."""
         self._discarding = True
         loop = self.driver.event_loop()
 
@@ -532,7 +538,7 @@ class BufferedPartWriter(Writer):
             asyncio.run_coroutine_threadsafe(cancel_unsent(), loop).result(10)
         with self._live_cond:
             settled = self._live_cond.wait_for(
-                lambda: self._live == 0, timeout=self.driver.operation_timeout or 60.0)
+                lambda: self._live == 0, timeout=min(self.driver.operation_timeout or ABORT_WAIT, ABORT_WAIT))
         if settled:
             return
         for f in list(self._futures):

@@ -206,6 +206,30 @@ def test_a_part_sent_whole_when_the_upload_fails_is_not_left_behind(object_backe
     assert leftovers(store) == {"objects": [], "uploads": []}
 
 
+def test_an_abort_waits_for_a_stalled_part_no_longer_than_its_bound(object_backend, tracked):
+    """The abort lets a part the server has whole finish, but a stalled server does not
+    hold it: after the operation timeout (here shorter than ABORT_WAIT, 10 s) the part is
+    cancelled and the save's error raised; what the part may still store is recovery's."""
+    store = object_backend.open(block_size=5 * MiB, max_inflight_bytes=20 * MiB, operation_timeout=1.5,
+                                retry=atomicstore.RetryPolicy(attempts=1))
+
+    def third_part(env: dict) -> bool:
+        p = part_of(env)
+        return p is not None and p[1] == 3
+
+    t = tracked(lambda env: (p := part_of(env)) is not None and p[1] == 2 and p, hold=6.0)
+    object_backend.faults(FaultPlan(error_rate=1.0, applies_to=third_part))
+    began = time.monotonic()
+    with pytest.raises(atomicstore.StorageError):
+        atomicstore.save(f"{object_backend.url}/step_1", {"w": np.ones(5 * MiB, np.int32)}, store=store)
+    took = time.monotonic() - began
+    object_backend.faults(None)
+    assert [p[1] for p in t.seen] == [2]
+    assert took < 5.0, f"the abort waited {took:.1f} s for a part held 6 s"
+    assert store.list() == [] and store.driver.inflight.used == 0
+    time.sleep(6.5 - took)  # (the held request ends before the server stops)
+
+
 def test_recovery_removes_the_parts_of_a_crashed_upload_but_not_of_one_in_flight(object_backend):
     store = object_backend.open(block_size=5 * MiB, lease_ttl=30)
     txn = store.transaction("step_1")
