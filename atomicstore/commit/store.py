@@ -449,8 +449,8 @@ class Store:
         that generation, read in the same request
         (:class:`~atomicstore.PreconditionFailedError` otherwise). The small files
         ``read_ahead`` (paths in the checkpoint, e.g. an index) are read beside the
-        manifest on object stores, saving their round trip: the checkpoint's
-        :meth:`Checkpoint.read_bytes` of each then checks them against the manifest
+        manifest on object stores, or taken from the commit marker's copies with it (no
+        request): :meth:`Checkpoint.read_bytes` of each checks them against the manifest
         without a request (once)."""
         validate_name(name)
         paths = tuple(itertools.islice(read_ahead, MAX_READ_AHEAD + 1)) if isinstance(read_ahead, list | tuple) else None
