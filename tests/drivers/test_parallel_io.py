@@ -146,15 +146,16 @@ def test_a_stalled_part_does_not_hold_back_the_next_ones(object_backend, tracked
         p = part_of(env)
         return p is not None and p[1] == 1
 
-    object_backend.faults(FaultPlan(stalls=[(first_part, 2.0)]))
+    object_backend.faults(FaultPlan(stalls=[(first_part, 4.0)]))
     data = os.urandom(40 * MiB)  # eight parts
-    t0 = time.monotonic()
     with store.transaction("step_1") as txn:
         txn.write_bytes("a.bin", data)
-    elapsed = time.monotonic() - t0
     assert sorted(n for _, n in t.seen) == list(range(1, 9))
-    # while part 1 was held 2 s, parts 2..8 (more than the budget's four) all went through
-    assert elapsed < 3.5, elapsed
+    # while part 1 was held 4 s (before the tracker, which records each part as it
+    # reaches the server), parts 2..8 (more than the budget's four) all went through: part
+    # 1 arrived last. (Was a time bound, 3.5 s with a 2 s stall: SeaweedFS on a loaded CI
+    # once took 3.6 s in all.)
+    assert [n for _, n in t.seen][-1] == 1, t.seen
     assert store.read_bytes("step_1", "a.bin") == data
 
 
