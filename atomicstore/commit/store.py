@@ -187,13 +187,14 @@ class Checkpoint:
         byte, which ``open`` may have read from the commit marker's copy (:class:`CorruptionError`)."""
         driver = self.store.driver
         found = driver.find(self.prefix)
-        try:  # (the bytes: a stored manifest only readers of it refuse is damage too)
-            stored = driver.read(self.key(MANIFEST_FILE)) if self._raw is not None else None
-        except NotFoundError:
-            stored = b""
-        if stored != self._raw:
-            raise CorruptionError(f"{self.where(MANIFEST_FILE)}: missing, or not the manifest the checkpoint "
-                                  "was opened with", path=MANIFEST_FILE)
+        if self._raw is not None:  # byte for byte: one only its readers refuse is damage too
+            try:
+                stored: bytes | None = driver.read(self.key(MANIFEST_FILE))
+            except NotFoundError:
+                stored = None
+            if stored != self._raw:
+                raise CorruptionError(f"{self.where(MANIFEST_FILE)}: missing, or not the manifest the "
+                                      "checkpoint was opened with", path=MANIFEST_FILE)
         for path, entry in sorted(self.manifest.files.items()):
             key = self.key(path)
             if key not in found:

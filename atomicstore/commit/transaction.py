@@ -185,7 +185,6 @@ class Transaction:
         #: copies of small files, in the order closed, for the commit point to carry
         #: (at most MARKER_INLINE_BYTES in all)
         self._small: dict[str, bytes] = {}
-        self._small_bytes = 0
         self._open: dict[str, TransactionFile] = {}
         #: closed files whose upload may still be completing: path -> (writer, its future)
         self._closing: dict[str, tuple[Writer, concurrent.futures.Future[None]]] = {}
@@ -264,9 +263,8 @@ class Transaction:
         with self._lock:
             self._open.pop(path, None)
             self._files[path] = entry
-            if kept is not None and self._small_bytes + len(kept) <= MARKER_INLINE_BYTES:
+            if kept is not None and sum(map(len, self._small.values())) + len(kept) <= MARKER_INLINE_BYTES:
                 self._small[path] = kept
-                self._small_bytes += len(kept)
             if writer is not None and done is not None and not (done.done() and done.exception() is None):
                 self._closing[path] = (writer, done)
 

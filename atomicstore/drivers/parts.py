@@ -334,10 +334,9 @@ class BufferedPartWriter(Writer):
         self._lock = threading.Lock()
         self._futures: list[concurrent.futures.Future[Any]] = []  # every part, in order
         self._closing: concurrent.futures.Future[None] | None = None
-        self._live = 0  # part requests running on the event loop now
         self._live_cond = threading.Condition()
-        #: the task of each part request running now, with its body (None: not known)
-        self._running: dict[asyncio.Future[Any], PartBody | None] = {}
+        #: the task of each part request running on the event loop now, with its body
+        self._running: dict[asyncio.Future[Any], PartBody] = {}
         self._discarding = False  # no new try of a part starts
         self._flying = 0  # parts handed to the backend and not done yet
         self._flying_cond = threading.Condition()
@@ -490,7 +489,7 @@ class BufferedPartWriter(Writer):
                 raise
 
     def _submit_part(
-        self, op: str, make: Callable[[], Awaitable[T]], body: PartBody | None = None
+        self, op: str, make: Callable[[], Awaitable[T]], body: PartBody
     ) -> concurrent.futures.Future[T]:
         """Submit a part request (with the retry policy), counted while it runs, so an
         abort can wait until none is left in flight before it discards the upload;
@@ -502,13 +501,11 @@ class BufferedPartWriter(Writer):
             task = asyncio.current_task()
             assert task is not None
             with self._live_cond:
-                self._live += 1
                 self._running[task] = body
             try:
                 return await make()
             finally:
                 with self._live_cond:
-                    self._live -= 1
                     self._running.pop(task, None)
                     self._live_cond.notify_all()
 
@@ -531,14 +528,14 @@ class BufferedPartWriter(Writer):
             with self._live_cond:
                 running = list(self._running.items())
             for task, body in running:
-                if body is None or not body.handed_over:
+                if not body.handed_over:
                     task.cancel()
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(cancel_unsent(), loop).result(10)
         with self._live_cond:
             settled = self._live_cond.wait_for(
-                lambda: self._live == 0, timeout=min(self.driver.operation_timeout or ABORT_WAIT, ABORT_WAIT))
+                lambda: not self._running, timeout=min(self.driver.operation_timeout or ABORT_WAIT, ABORT_WAIT))
         if settled:
             return
         for f in list(self._futures):
@@ -547,7 +544,7 @@ class BufferedPartWriter(Writer):
             with contextlib.suppress(Exception):
                 asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10)
         with self._live_cond:
-            self._live_cond.wait_for(lambda: self._live == 0, timeout=10.0)
+            self._live_cond.wait_for(lambda: not self._running, timeout=10.0)
 
     def _finish(self) -> None:
         """Wait for every part, then complete the object; abort the upload on failure."""
