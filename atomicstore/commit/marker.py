@@ -6,6 +6,7 @@ every step and what a crash at that step leaves behind.
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -110,25 +111,29 @@ class MarkerStrategy(CommitStrategy):
         self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
         expected: str | None = None, check: Callable[[], None] | None = None,
         claim: NameClaim | None = None, inline: Mapping[str, bytes] | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> None:
         d = self.driver
         old: Marker | None = None
         gen: str | None = None  # with it, a compare-and-swap on the marker read
         if overwrite:
+            if ready is not None:  # every file complete before a conflict discards them
+                ready()
+                ready = None
             old, gen, found = self.marker_state(name)
             if found != expected:
                 self.discard(name, attempt)
                 raise self._conflict(name, old.writer if old else None)
-        # The name's claim is taken while the manifest is written (one more PUT, no more
-        # round trips): a one-file save of this name sends its commit request under the
-        # same claim, so the object <name> checked under it cannot appear before our
-        # marker does (commit/claim.py).
+        # The manifest and the name's claim are written while the last files' uploads
+        # complete (``ready``): no round trip of their own. A one-file save of this name
+        # sends its commit request under the same claim, so the object <name> checked
+        # under it cannot appear before our marker does (commit/claim.py).
         if claim is not None:
             claim.start()
         released: Future[None] | None = None
         keep = False
         try:
-            self._put_manifest(name, attempt, manifest)
+            self._put_manifest(name, attempt, manifest, ready)
             self._before_commit_point(name, attempt, check, claim)
             if claim is not None:
                 claim.confirm()  # not paused past the lease since its check (no request)
@@ -271,11 +276,26 @@ class MarkerStrategy(CommitStrategy):
                     "reply arrived; a retry had re-created its marker, now removed",
                     self.driver.describe(name))
 
-    def _put_manifest(self, name: str, attempt: str, manifest: bytes) -> None:
-        """Write the attempt's manifest; on failure the attempt is discarded (nothing
-        can name it yet)."""
+    def _put_manifest(self, name: str, attempt: str, manifest: bytes,
+                      ready: Callable[[], None] | None = None) -> None:
+        """Write the attempt's manifest while ``ready()`` waits for the attempt's files
+        to be complete (nothing names the attempt before its marker, so the order of
+        the two does not matter to readers or recovery). On a failure to write it the
+        attempt is discarded (nothing can name it yet); ``ready``'s error is raised once
+        the manifest's request has ended, leaving the attempt to the caller's abort,
+        which first ends the files' uploads."""
+        d = self.driver
+        key = f"{self._prefix(name, attempt)}/{MANIFEST_FILE}"
+        put = d.background(lambda: d.put(key, manifest))
         try:
-            self.driver.put(f"{self._prefix(name, attempt)}/{MANIFEST_FILE}", manifest)
+            if ready is not None:
+                ready()
+        except BaseException:
+            if not put.cancel():
+                concurrent.futures.wait([put])  # (so that the abort's discard sees it)
+            raise
+        try:
+            d.put(key, manifest) if put.cancel() else put.result()
         except BaseException:
             self.discard(name, attempt)
             raise

@@ -78,7 +78,10 @@ class RenameStrategy(CommitStrategy):
         self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
         expected: str | None = None, check: Callable[[], None] | None = None,
         claim: NameClaim | None = None, inline: Mapping[str, bytes] | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> None:
+        if ready is not None:
+            ready()  # every file durable before the manifest (its error: the caller aborts)
         d = self.driver
         staging = self._staging(name, attempt)
         try:

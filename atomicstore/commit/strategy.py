@@ -136,6 +136,7 @@ class CommitStrategy(ABC):
         self, name: str, attempt: str, writer: str, manifest: bytes, *, overwrite: bool = False,
         expected: str | None = None, check: Callable[[], None] | None = None,
         claim: NameClaim | None = None, inline: Mapping[str, bytes] | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> None:
         """Write the manifest and make the attempt the committed ``name`` (the commit
         point). Raises :class:`CommitConflictError` if another attempt won. With
@@ -148,7 +149,13 @@ class CommitStrategy(ABC):
         point; the rename strategy needs none (a directory and a file cannot share a
         name there). ``inline``: small files of the attempt, whole, by path, which the
         commit point may carry for readers (the marker strategy does, within
-        :data:`~atomicstore.commit.manifest.MARKER_INLINE_BYTES`)."""
+:data:`~atomicstore.commit.manifest.MARKER_INLINE_BYTES`). ``ready()`` returns once
+        every file of the attempt is complete at its key, or raises the first failure;
+        it is called before anything is checked under the claim (the marker strategy
+        calls it while its manifest and claim are on their way, the rename strategy
+        before it writes the manifest). Its error is raised as it is, with nothing
+        discarded: the caller aborts the transaction, which first ends the files'
+        uploads."""
 
     @abstractmethod
     def attempt_prefix(self, name: str, attempt: str) -> str:

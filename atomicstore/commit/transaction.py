@@ -268,24 +268,6 @@ class Transaction:
             if writer is not None and done is not None and not (done.done() and done.exception() is None):
                 self._closing[path] = (writer, done)
 
-    def _wait_closing(self) -> None:
-        """Wait until every closed file is complete at its key; raise the first failure
-        (the transaction stays open, to be aborted)."""
-        with self._lock:
-            self._check_open()
-            closing = list(self._closing.values())
-        error: BaseException | None = None
-        for _, done in closing:
-            try:
-                done.result()
-            except BaseException as exc:  # noqa: BLE001 - the first one is raised below
-                error = error or exc
-        if error is not None:
-            raise error
-        with self._lock:
-            for path in [p for p, (_, d) in self._closing.items() if d.done()]:
-                del self._closing[path]
-
     @property
     def files(self) -> dict[str, FileEntry]:
         """Files closed so far, with sizes and CRC32C."""
@@ -317,15 +299,14 @@ class Transaction:
         :class:`~atomicstore.TransactionError` in a forked child of the process that began
         the transaction (nothing is changed)."""
         self._check_owner("commit")
-        self._wait_closing()  # every file complete (or the error of the first that failed)
         with self._lock:
             self._check_open()
             if self._open:
                 raise TransactionError(
                     f"cannot commit {self.name!r}: files still open: {sorted(self._open)}"
                 )
-            manifest, data = self._encode_manifest()
-            self._publish(data, check)
+            manifest, data = self._encode_manifest()  # (every entry is known at close)
+            self._publish(data, check, [done for _, done in self._closing.values()])
             self._state = _State.COMMITTED
             self.manifest = manifest
             self._lease.release()
@@ -357,16 +338,32 @@ class Transaction:
             )
         return manifest, data
 
-    def _publish(self, data: bytes, check: Callable[[], None] | None) -> None:
-        """Publish the manifest ``data`` through the strategy (the commit point); on an
-        error the transaction is aborted, its lease released or, if the commit point may
-        still land, kept."""
+    def _publish(self, data: bytes, check: Callable[[], None] | None,
+                 closing: list[concurrent.futures.Future[None]]) -> None:
+        """Publish the manifest ``data`` through the strategy (the commit point), once
+        every ``closing`` upload is complete (the strategy waits for them while its
+        first requests are on their way). Until they are, an error leaves the transaction
+        open, to be aborted (which ends the uploads first); after, the transaction is
+        aborted, its lease released or, if the commit point may still land, kept."""
         lease_check = self._lease.check
+        files_ready = False
 
         def checks() -> None:
             lease_check()
             if check is not None:
                 check()
+
+        def ready() -> None:
+            nonlocal files_ready
+            error: BaseException | None = None
+            for done in closing:  # every one ended before the first failure is raised
+                try:
+                    done.result()
+                except BaseException as exc:  # noqa: BLE001 - the first one is raised below
+                    error = error or exc
+            if error is not None:
+                raise error
+            files_ready = True
 
         try:
             # publish cleans up after itself where that is provably safe; it checks
@@ -375,18 +372,22 @@ class Transaction:
             self.context.strategy.publish(
                 self.name, self.attempt, self.context.writer_id, data, overwrite=self.overwrite,
                 expected=self.expected, check=checks, claim=self._claim, inline=self._small,
+                ready=ready,
             )
-        except AlreadyExistsError:  # refused at the commit point (another writer won,
-            # or a one-file checkpoint of the name appeared): nothing was published
+        except BaseException as exc:
+            if not files_ready:
+                # a file's upload failed (or the wait for them was interrupted): nothing
+                # was published, and uploads may still be in flight: the caller aborts
+                raise
             self._state = _State.ABORTED
-            self.context.strategy.discard(self.name, self.attempt)
-            self._lease.release()
-            raise
-        except BaseException:
-            # Maybe ambiguous (the commit point may still land): keep the lease object
-            # so recovery waits ttl + grace before it removes this attempt's data.
-            self._state = _State.ABORTED
-            self._lease.stop()
+            if isinstance(exc, AlreadyExistsError):  # refused at the commit point (another
+                # writer won, or a one-file checkpoint of the name appeared): nothing published
+                self.context.strategy.discard(self.name, self.attempt)
+                self._lease.release()
+            else:
+                # Maybe ambiguous (the commit point may still land): keep the lease object
+                # so recovery waits ttl + grace before it removes this attempt's data.
+                self._lease.stop()
             raise
 
     def abort(self) -> None:

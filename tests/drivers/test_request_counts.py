@@ -15,6 +15,7 @@ tests/drivers/test_seaweed.py).
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -257,3 +258,80 @@ def test_a_store_that_cuts_the_delimiter_short_is_listed_object_by_object(object
     with object_backend.server.injector.recording() as log:
         assert store.list() == ["a", "b"]
     assert log.count("list") >= 1 and not [r for r in log if "attempt-" in r.query], log.describe()
+
+
+def is_completion(r: LoggedRequest) -> bool:
+    """An upload's completion: S3 ``CompleteMultipartUpload``, a GCS ``compose``."""
+    return (r.method == "POST" and "uploadId=" in r.query) or (r.key or "").endswith("/compose")
+
+
+def test_manifest_and_claim_go_out_with_the_last_completion(object_backend):
+    """The manifest and the name's claim do not wait for the last file's upload to
+    complete (their size and CRC32C are known when it is closed): they overlap its
+    completion request, and nothing checked under the claim starts before it answered."""
+    b = object_backend
+    store = b.open(block_size=5 * 2**20)
+    data = np.random.default_rng(0).integers(0, 256, 11 * 2**20, dtype=np.uint8).tobytes()
+    b.faults(FaultPlan(latency=0.25))
+    with b.server.injector.recording() as log:
+        with store.transaction("big") as txn:
+            f = txn.open("w.bin")
+            f.write(data)
+            f.close(wait=False)  # (as the pytree layer closes its files)
+    b.faults(None)
+    completion = [r for r in log if is_completion(r)]
+    assert len(completion) == 1, log.describe()
+    done = completion[0]
+    manifest = next(r for r in log if r.kind == "put" and (r.key or "").endswith("/big/attempt-"
+                    + txn.attempt + "/manifest.json"))
+    claim = next(r for r in log if r.kind == "put" and "/.atomicstore/claims/" in (r.key or ""))
+    marker = next(r for r in log if r.kind == "put" and (r.key or "").endswith("big/commit_success.txt"))
+    assert manifest.start < done.end and claim.start < done.end, log.describe()
+    # the lease check and the commit point wait for the completion
+    lease_check = [r for r in log if r.kind == "head" and "/.atomicstore/leases/" in (r.key or "")]
+    assert lease_check and all(done.end <= r.start for r in lease_check), log.describe()
+    assert done.end <= marker.start, log.describe()
+    assert store.read_bytes("big", "w.bin") == data
+
+
+def _completes(env: dict[str, Any]) -> bool:
+    q = env.get("QUERY_STRING", "")
+    return (env.get("REQUEST_METHOD") == "POST" and "uploadId=" in q) or env.get("PATH_INFO", "").endswith("/compose")
+
+
+def test_a_completion_that_fails_under_the_manifest_leaves_nothing(object_backend):
+    """The last file's completion is refused while the manifest and the claim are on
+    their way: the save raises the completion's error, nothing is committed, and the
+    manifest, the claim, the lease and the upload are all gone (the transaction waits for
+    the manifest's request to end before its abort removes the attempt)."""
+    b = object_backend
+    store = b.open(block_size=5 * 2**20)
+    data = os.urandom(11 * 2**20)
+    b.faults(FaultPlan(latency=0.05, stalls=[(_completes, 0.5)], deny=_completes))
+    with b.server.injector.recording() as log, pytest.raises(atomicstore.StorageError):
+        with store.transaction("big") as txn:
+            f = txn.open("w.bin")
+            f.write(data)
+            f.close(wait=False)
+    b.faults(None)
+    done = [r for r in log if is_completion(r)]
+    manifest = [r for r in log if r.kind == "put" and (r.key or "").endswith("/manifest.json")]
+    assert done and manifest and manifest[0].start < done[0].end, log.describe()  # it was on its way
+    assert not [r for r in log if (r.key or "").endswith("commit_success.txt") and r.kind == "put"]
+    assert txn.attempt and not store.list()
+    assert sorted(store.driver.find("")) == [], sorted(store.driver.find(""))
+    assert store.driver.list_incomplete_uploads("") == []
+
+
+def test_a_small_pytree_save_takes_six_round_trips_in_all(object_backend):
+    """``atomicstore.save`` closes its files without waiting: their PUTs go out with the
+    manifest and the claim, so the data adds no round trip to the six of the protocol."""
+    b = object_backend
+    store = b.open()
+    b.faults(FaultPlan(latency=0.25))
+    with b.server.injector.recording() as log:
+        atomicstore.save(f"{b.url}/small", tree(1.0), store=store)
+    b.faults(None)
+    assert len([r for r in log if is_data(r)]) >= 2, log.describe()
+    assert log.depth() == 6, log.describe()
+    assert atomicstore.restore(f"{b.url}/small", store=store)["step"] == 1.0
