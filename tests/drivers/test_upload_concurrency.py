@@ -5,7 +5,8 @@
   together seconds after their bytes had arrived).
 - The last part of an upload never waits for a slot (a short tail waiting for a whole
   part's transfer delayed the completion behind it).
-- Part bodies go out right after their headers: no ``Expect: 100-continue`` round trip.
+- Part bodies go out right after their headers: no ``Expect: 100-continue`` round trip,
+  and unhashed (``UNSIGNED-PAYLOAD``): the part's CRC32 is a signed header the server checks.
 
 Observed on the server through :class:`test_parallel_io.Tracker` (behind the fault
 injector), on moto and on SeaweedFS.
@@ -13,13 +14,15 @@ injector), on moto and on SeaweedFS.
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
 import pytest
-from conftest import Backend, make_backend
+from conftest import FAST_RETRY, Backend, make_backend
 from test_parallel_io import Tracker, part_of
 
+import atomicstore
 from atomicstore.drivers import s3 as s3_driver
 
 MiB = 2**20
@@ -89,3 +92,84 @@ def test_part_bodies_are_sent_without_waiting_for_100_continue(s3_backend):
     write_one_file(s3_backend, os.urandom(2 * 5 * MiB + 1000), watch, hold=0.0)
     assert len(expects) == 3
     assert expects == [None] * 3, f"parts asked for 100-continue: {expects}"
+
+
+def test_parts_sign_their_checksum_not_their_body(s3_backend):
+    """A part's body is not hashed for the signature (``UNSIGNED-PAYLOAD``, as botocore
+    sends parts on HTTPS): its CRC32 goes in a header that is signed and that the server
+    checks. Whole-object PUTs (the manifest, the marker) keep their signed SHA-256."""
+    seen: list[tuple[str, str | None, str]] = []
+
+    def watch(environ: dict[str, Any]) -> Any:
+        auth = environ.get("HTTP_AUTHORIZATION", "")
+        seen.append((environ.get("REQUEST_METHOD", ""), environ.get("HTTP_X_AMZ_CONTENT_SHA256"), auth))
+        return part_of(environ)
+
+    write_one_file(s3_backend, os.urandom(2 * 5 * MiB + 1000), watch, hold=0.0)
+    parts = [(m, sha, auth) for m, sha, auth in seen if m == "PUT" and sha == "UNSIGNED-PAYLOAD"]
+    assert len(parts) == 3, seen
+    assert all("x-amz-checksum-crc32" in auth for _, _, auth in parts), parts  # a signed header
+    puts = [sha for m, sha, _ in seen if m == "PUT" and sha != "UNSIGNED-PAYLOAD"]
+    assert puts and all(sha and len(sha) == 64 for sha in puts), seen  # manifest, marker, lease
+
+
+def test_a_client_config_that_asks_for_signed_payloads_keeps_them(s3_backend):
+    """``payload_signing_enabled`` set in the user's own ``config_kwargs`` wins."""
+    opts = {k: v for k, v in s3_backend.options.items() if k != "config_kwargs"}
+    config = {**(s3_backend.options.get("config_kwargs") or {}), "s3": {"payload_signing_enabled": True}}
+    store = atomicstore.open_store(s3_backend.url, retry=FAST_RETRY, block_size=5 * MiB, config_kwargs=config,
+                                   **opts)
+    store.conformance()
+    shas: list[str | None] = []
+
+    def watch(environ: dict[str, Any]) -> Any:
+        what = part_of(environ)
+        if what:
+            shas.append(environ.get("HTTP_X_AMZ_CONTENT_SHA256"))
+        return what
+
+    t = track(s3_backend, watch, 0.0)
+    try:
+        with store.transaction("step_1") as txn:
+            txn.write_bytes("state.bin", os.urandom(2 * s3_driver.MIN_PART + 10))
+    finally:
+        t.restore()  # type: ignore[attr-defined]
+    assert len(shas) == 3 and all(s and len(s) == 64 for s in shas), shas
+
+
+def test_a_part_whose_body_does_not_match_its_signed_checksum_is_refused(s3_backend):
+    """What stands for the body's signature: the server checks the part against its
+    CRC32 (SeaweedFS, as AWS documents: 400 BadDigest, and the save fails having
+    committed nothing). moto stores what it gets: there the manifest's CRC32C catches it
+    when the file is read."""
+    store = s3_backend.open(block_size=5 * MiB)
+
+    class Flip:
+        """WSGI middleware: flips one bit of the first part's body on its way."""
+
+        def __init__(self, app: Any) -> None:
+            self.app, self.done = app, False
+
+        def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+            if part_of(environ) and not self.done:
+                self.done = True
+                body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+                environ["wsgi.input"] = io.BytesIO(bytes([body[0] ^ 1]) + body[1:])
+            return self.app(environ, start_response)
+
+    injector = s3_backend.server.injector
+    inner = injector.app
+    injector.app = Flip(inner)
+    try:
+        if s3_backend.server_name == "seaweed":
+            with pytest.raises(atomicstore.StorageError, match="BadDigest|did not match|checksum"):
+                with store.transaction("step_1") as txn:
+                    txn.write_bytes("state.bin", os.urandom(2 * 5 * MiB))
+            assert not store.list()
+        else:
+            with store.transaction("step_1") as txn:
+                txn.write_bytes("state.bin", os.urandom(2 * 5 * MiB))
+            with pytest.raises(atomicstore.CorruptionError, match="state.bin"):
+                store.read_bytes("step_1", "state.bin")
+    finally:
+        injector.app = inner
