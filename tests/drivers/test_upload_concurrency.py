@@ -42,6 +42,18 @@ def track(backend: Backend, watch: Any, hold: float) -> Tracker:
     return t
 
 
+def part_header(header: str, out: list[str | None]) -> Any:
+    """A Tracker ``watch`` that selects part uploads and records ``header`` of each."""
+
+    def watch(environ: dict[str, Any]) -> Any:
+        what = part_of(environ)
+        if what:
+            out.append(environ.get(header))
+        return what
+
+    return watch
+
+
 def write_one_file(backend: Backend, data: bytes, watch: Any, hold: float) -> Tracker:
     store = backend.open(block_size=5 * MiB, max_inflight_bytes=64 * MiB)  # room for 12 parts
     t = track(backend, watch, hold)
@@ -82,14 +94,7 @@ def test_the_last_part_does_not_wait_for_a_slot(s3_backend, monkeypatch):
 
 def test_part_bodies_are_sent_without_waiting_for_100_continue(s3_backend):
     expects: list[str | None] = []
-
-    def watch(environ: dict[str, Any]) -> Any:
-        what = part_of(environ)
-        if what:
-            expects.append(environ.get("HTTP_EXPECT"))
-        return what
-
-    write_one_file(s3_backend, os.urandom(2 * 5 * MiB + 1000), watch, hold=0.0)
+    write_one_file(s3_backend, os.urandom(2 * 5 * MiB + 1000), part_header("HTTP_EXPECT", expects), hold=0.0)
     assert len(expects) == 3
     assert expects == [None] * 3, f"parts asked for 100-continue: {expects}"
 
@@ -121,14 +126,7 @@ def test_a_client_config_that_asks_for_signed_payloads_keeps_them(s3_backend):
                                    **opts)
     store.conformance()
     shas: list[str | None] = []
-
-    def watch(environ: dict[str, Any]) -> Any:
-        what = part_of(environ)
-        if what:
-            shas.append(environ.get("HTTP_X_AMZ_CONTENT_SHA256"))
-        return what
-
-    t = track(s3_backend, watch, 0.0)
+    t = track(s3_backend, part_header("HTTP_X_AMZ_CONTENT_SHA256", shas), 0.0)
     try:
         with store.transaction("step_1") as txn:
             txn.write_bytes("state.bin", os.urandom(2 * s3_driver.MIN_PART + 10))
