@@ -239,6 +239,16 @@ class NameClaim:
             time.sleep(delay)
             delay = min(2 * delay, CLAIM_POLL[1])
 
+    def _ours_after_lost_reply(self) -> None:
+        """After a refused first try that :meth:`hold` never looked at (the commit failed
+        before it): if the claim names this attempt, our PUT landed and only its reply
+        was lost (a retry was refused): it is ours to release. Best effort."""
+        d = self.driver
+        with contextlib.suppress(Exception):  # (gone or replaced meanwhile: not ours to touch)
+            gen = d.info(self.key).generation
+            if read_claim(d, self.key, gen).attempt == self.attempt:
+                self.held, self.generation = True, gen
+
     def confirm(self) -> None:
         """Right before the commit request (no request): :class:`LeaseLostError` if the
         holder's lease expired by its own clock since it was checked (a pause there: others
@@ -250,8 +260,11 @@ class NameClaim:
         over keeps it). Best effort: recovery removes a claim left behind."""
         first, self._first = self._first, None
         if first is not None and not first.cancel():
-            with contextlib.suppress(Exception):  # (refused or failed: not held then)
-                first.result()
+            refused = False
+            with contextlib.suppress(Exception):  # (failed: its outcome is unknown; recovery's)
+                refused = first.result() is False
+            if refused:  # held by another writer, or ours if its reply was lost: look
+                self._ours_after_lost_reply()
         if not self.held:
             return
         self.held = False

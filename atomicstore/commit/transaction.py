@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import enum
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED
 from types import TracebackType
 from typing import Any
 
@@ -190,6 +192,9 @@ class Transaction:
         self._closing: dict[str, tuple[Writer, concurrent.futures.Future[None]]] = {}
         self._lock = threading.Lock()
         self._state = _State.OPEN
+        #: done once :meth:`abort` was called: a commit still waiting for its files'
+        #: uploads gives up (the abort then goes ahead)
+        self._abort_asked: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.started = time.time()
         #: the committed manifest, once :meth:`commit` succeeded
         self.manifest: Manifest | None = None
@@ -355,14 +360,16 @@ class Transaction:
 
         def ready() -> None:
             nonlocal files_ready
-            error: BaseException | None = None
-            for done in closing:  # every one ended before the first failure is raised
-                try:
-                    done.result()
-                except BaseException as exc:  # noqa: BLE001 - the first one is raised below
-                    error = error or exc
-            if error is not None:
-                raise error
+            pending = set(closing)
+            while pending and not self._abort_asked.done():
+                concurrent.futures.wait([*pending, self._abort_asked], return_when=FIRST_COMPLETED)
+                pending = {d for d in pending if not d.done()}
+            if self._abort_asked.done():  # (an abort from another thread wins, as before the commit point)
+                raise TransactionError(f"transaction for {self.name!r} was aborted while it committed")
+            for done in closing:  # all ended: the first failure is raised
+                error = done.exception()
+                if error is not None:
+                    raise error
             files_ready = True
 
         try:
@@ -391,13 +398,17 @@ class Transaction:
             raise
 
     def abort(self) -> None:
-        """Discard everything written; nothing becomes visible. Idempotent, and a no-op
-        once :meth:`commit` was called: a commit that raised with its outcome unknown (its
+        """Discard everything written; nothing becomes visible. Idempotent. Called from
+        another thread while :meth:`commit` still waits for the files' uploads, it wins:
+        that commit raises :class:`~atomicstore.TransactionError`. Otherwise a no-op once
+        :meth:`commit` was called: a commit that raised with its outcome unknown (its
         commit request timed out, or its reply was lost after the last retry) may still
         land afterwards, which no abort can take back (the attempt's data is kept for it;
         delete the checkpoint if it appears). :class:`~atomicstore.TransactionError` in a
         forked child (nothing is changed)."""
         self._check_owner("abort")
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self._abort_asked.set_result(None)  # a commit waiting for uploads gives up
         with self._lock:
             if self._state is not _State.OPEN:
                 return

@@ -16,6 +16,7 @@ tests/drivers/test_seaweed.py).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -335,3 +336,57 @@ def test_a_small_pytree_save_takes_six_round_trips_in_all(object_backend):
     assert len([r for r in log if is_data(r)]) >= 2, log.describe()
     assert log.depth() == 6, log.describe()
     assert atomicstore.restore(f"{b.url}/small", store=store)["step"] == 1.0
+
+
+def _claim_put(env: dict[str, Any]) -> bool:
+    return env.get("REQUEST_METHOD") in ("PUT", "POST") and "claims" in (env.get("PATH_INFO", "")
+                                                                         + env.get("QUERY_STRING", ""))
+
+
+def test_a_claim_whose_reply_was_lost_is_released_when_an_upload_fails(object_backend):
+    """The claim's PUT lands but its reply is lost (the retry is refused: 412), then the
+    last file's completion is refused before the claim was ever looked at: the writer
+    finds the claim naming its attempt and releases it, so nothing is left for the next
+    writer to wait on or for recovery to remove. (Found by the attacker, 2026-11-27.)"""
+    b = object_backend
+    store = b.open(block_size=5 * 2**20)
+    b.faults(FaultPlan(lost_reply_rate=1.0, applies_to=_claim_put, budget=1,
+                       stalls=[(_completes, 0.6)], deny=_completes))
+    with pytest.raises(atomicstore.StorageError):
+        with store.transaction("big") as txn:
+            f = txn.open("w.bin")
+            f.write(os.urandom(11 * 2**20))
+            f.close(wait=False)
+    assert b.server.injector.counts["lost_reply"] == 1  # the claim's reply was lost
+    b.faults(None)
+    assert sorted(store.driver.find("")) == [], sorted(store.driver.find(""))
+
+
+def test_an_abort_from_another_thread_wins_while_commit_waits_for_uploads(object_backend):
+    """``abort()`` from another thread while ``commit`` waits for a held completion: the
+    abort wins, as it did before the manifest went out with the completions: the commit
+    raises TransactionError and nothing is committed. (Found by the attacker.)"""
+    b = object_backend
+    store = b.open(block_size=5 * 2**20)
+    b.faults(FaultPlan(stalls=[(_completes, 3.0)]))
+    txn = store.transaction("big")
+    f = txn.open("w.bin")
+    f.write(os.urandom(11 * 2**20))
+    f.close(wait=False)
+    errors: list[BaseException] = []
+
+    def commit() -> None:
+        try:
+            txn.commit()
+        except BaseException as exc:  # noqa: BLE001 - looked at below
+            errors.append(exc)
+
+    t = threading.Thread(target=commit)
+    t.start()
+    time.sleep(0.7)  # the commit is waiting for the held completion
+    txn.abort()
+    t.join(60)
+    b.faults(None)
+    assert not t.is_alive() and len(errors) == 1, errors
+    assert isinstance(errors[0], atomicstore.TransactionError), errors
+    assert not txn.committed and store.list() == []
