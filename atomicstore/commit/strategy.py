@@ -149,7 +149,7 @@ class CommitStrategy(ABC):
         point; the rename strategy needs none (a directory and a file cannot share a
         name there). ``inline``: small files of the attempt, whole, by path, which the
         commit point may carry for readers (the marker strategy does, within
-:data:`~atomicstore.commit.manifest.MARKER_INLINE_BYTES`). ``ready()`` returns once
+        :data:`~atomicstore.commit.manifest.MARKER_INLINE_BYTES`). ``ready()`` returns once
         every file of the attempt is complete at its key, or raises the first failure;
         it is called before anything is checked under the claim (the marker strategy
         calls it while its manifest and claim are on their way, the rename strategy
