@@ -534,8 +534,7 @@ class BufferedPartWriter(Writer):
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(cancel_unsent(), loop).result(10)
         with self._live_cond:
-            settled = self._live_cond.wait_for(
-                lambda: not self._running, timeout=min(self.driver.operation_timeout or ABORT_WAIT, ABORT_WAIT))
+            settled = self._live_cond.wait_for(lambda: not self._running, timeout=self._abort_wait())
         if settled:
             return
         for f in list(self._futures):
@@ -545,6 +544,10 @@ class BufferedPartWriter(Writer):
                 asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10)
         with self._live_cond:
             self._live_cond.wait_for(lambda: not self._running, timeout=10.0)
+
+    def _abort_wait(self) -> float:
+        """How long an abort waits for a request the server may still act on."""
+        return min(self.driver.operation_timeout or ABORT_WAIT, ABORT_WAIT)
 
     def _finish(self) -> None:
         """Wait for every part, then complete the object; abort the upload on failure."""
@@ -578,11 +581,20 @@ class BufferedPartWriter(Writer):
         closing = self._closing
         if closing is not None:
             # closed: the completion aborts the upload itself if it fails (it does, as it
-            # finds this upload aborted); once it is over nothing of it is still in flight
+            # finds this upload aborted); once it is over nothing of it is still in flight.
+            # A completion (or small PUT) the server holds is waited for no longer than a
+            # part: it may still store the object afterwards, under the attempt's prefix
+            # that no marker names, which recovery removes (as any request past its time).
             if self.started:
                 self._settle()
-            with contextlib.suppress(BaseException):
-                closing.result()
+            try:
+                closing.result(timeout=self._abort_wait())
+            except concurrent.futures.TimeoutError:
+                log.warning("abort of %s: its completion is still unanswered after %.0f s; "
+                            "what it may still store is left to recovery",
+                            self.driver.describe(self.key), self._abort_wait())
+            except BaseException:  # noqa: BLE001 - the completion's own error was reported
+                pass
             return
         if self.started:
             self._abort_quietly()

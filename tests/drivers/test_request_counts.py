@@ -28,6 +28,7 @@ import atomicstore
 from atomicstore import CheckpointManager
 from atomicstore.commit.manifest import FileEntry, Manifest, Marker, crc32c
 from atomicstore.commit.strategies import new_attempt_id
+from atomicstore.drivers.parts import ABORT_WAIT
 from atomicstore.testing.faults import FaultPlan, LoggedRequest, RequestLog
 
 KEPT = 1000
@@ -390,3 +391,42 @@ def test_an_abort_from_another_thread_wins_while_commit_waits_for_uploads(object
     assert not t.is_alive() and len(errors) == 1, errors
     assert isinstance(errors[0], atomicstore.TransactionError), errors
     assert not txn.committed and store.list() == []
+
+
+def test_an_abort_waits_for_a_held_completion_no_longer_than_its_bound(request, tmp_path):
+    """A completion the server holds longer than ``ABORT_WAIT`` (the operation timeout is
+    the default 120 s): an abort from another thread returns once ``ABORT_WAIT`` is up, not
+    when the server answers (an interrupted commit, or a preemption's SIGTERM, stays
+    prompt). What the held completion may still store lands under the attempt's prefix,
+    which no marker names: recovery removes it. (Found by the attacker: the abort waited
+    the whole hold.) On moto only: the bound is the writer's, not the server's."""
+    b = make_backend("s3", request, tmp_path)
+    store = b.open(block_size=5 * 2**20)
+    hold = ABORT_WAIT + 5
+    b.faults(FaultPlan(stalls=[(_completes, hold)]))
+    txn = store.transaction("big")
+    f = txn.open("w.bin")
+    f.write(os.urandom(11 * 2**20))
+    f.close(wait=False)
+    errors: list[BaseException] = []
+
+    def commit() -> None:
+        try:
+            txn.commit()
+        except BaseException as exc:  # noqa: BLE001 - looked at below
+            errors.append(exc)
+
+    t = threading.Thread(target=commit)
+    t.start()
+    time.sleep(0.7)  # the commit is waiting for the held completion
+    began = time.monotonic()
+    txn.abort()
+    took = time.monotonic() - began
+    t.join(60)
+    assert took < hold - 2, f"the abort waited {took:.1f} s for a completion held {hold:.0f} s"
+    assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], atomicstore.TransactionError), errors
+    assert not txn.committed and store.list() == []
+    time.sleep(max(0.0, hold - 0.7 - took) + 1.0)  # the held completion has reached the server
+    b.faults(None)
+    store.recover(grace=0)
+    assert sorted(store.driver.find("")) == [] and store.driver.list_incomplete_uploads("") == []
