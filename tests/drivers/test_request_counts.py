@@ -363,13 +363,11 @@ def test_a_claim_whose_reply_was_lost_is_released_when_an_upload_fails(object_ba
     assert sorted(store.driver.find("")) == [], sorted(store.driver.find(""))
 
 
-def test_an_abort_from_another_thread_wins_while_commit_waits_for_uploads(object_backend):
-    """``abort()`` from another thread while ``commit`` waits for a held completion: the
-    abort wins, as it did before the manifest went out with the completions: the commit
-    raises TransactionError and nothing is committed. (Found by the attacker.)"""
-    b = object_backend
-    store = b.open(block_size=5 * 2**20)
-    b.faults(FaultPlan(stalls=[(_completes, 3.0)]))
+def _abort_while_commit_waits(store: atomicstore.Store) -> tuple[Any, list[BaseException], float]:
+    """Commit a transaction of one 11 MiB file closed with ``close(wait=False)`` on a
+    thread of its own and, 0.7 s later (the commit waits for the file's completion, held
+    at the server by the caller's plan), abort it from this thread. Returns the
+    transaction, what the commit raised, and how long ``abort()`` took."""
     txn = store.transaction("big")
     f = txn.open("w.bin")
     f.write(os.urandom(11 * 2**20))
@@ -379,17 +377,30 @@ def test_an_abort_from_another_thread_wins_while_commit_waits_for_uploads(object
     def commit() -> None:
         try:
             txn.commit()
-        except BaseException as exc:  # noqa: BLE001 - looked at below
+        except BaseException as exc:  # noqa: BLE001 - looked at by the caller
             errors.append(exc)
 
     t = threading.Thread(target=commit)
     t.start()
     time.sleep(0.7)  # the commit is waiting for the held completion
+    began = time.monotonic()
     txn.abort()
+    took = time.monotonic() - began
     t.join(60)
+    assert not t.is_alive()
+    return txn, errors, took
+
+
+def test_an_abort_from_another_thread_wins_while_commit_waits_for_uploads(object_backend):
+    """``abort()`` from another thread while ``commit`` waits for a held completion: the
+    abort wins, as it did before the manifest went out with the completions: the commit
+    raises TransactionError and nothing is committed. (Found by the attacker.)"""
+    b = object_backend
+    store = b.open(block_size=5 * 2**20)
+    b.faults(FaultPlan(stalls=[(_completes, 3.0)]))
+    txn, errors, _ = _abort_while_commit_waits(store)
     b.faults(None)
-    assert not t.is_alive() and len(errors) == 1, errors
-    assert isinstance(errors[0], atomicstore.TransactionError), errors
+    assert len(errors) == 1 and isinstance(errors[0], atomicstore.TransactionError), errors
     assert not txn.committed and store.list() == []
 
 
@@ -404,27 +415,9 @@ def test_an_abort_waits_for_a_held_completion_no_longer_than_its_bound(request, 
     store = b.open(block_size=5 * 2**20)
     hold = ABORT_WAIT + 5
     b.faults(FaultPlan(stalls=[(_completes, hold)]))
-    txn = store.transaction("big")
-    f = txn.open("w.bin")
-    f.write(os.urandom(11 * 2**20))
-    f.close(wait=False)
-    errors: list[BaseException] = []
-
-    def commit() -> None:
-        try:
-            txn.commit()
-        except BaseException as exc:  # noqa: BLE001 - looked at below
-            errors.append(exc)
-
-    t = threading.Thread(target=commit)
-    t.start()
-    time.sleep(0.7)  # the commit is waiting for the held completion
-    began = time.monotonic()
-    txn.abort()
-    took = time.monotonic() - began
-    t.join(60)
+    txn, errors, took = _abort_while_commit_waits(store)
     assert took < hold - 2, f"the abort waited {took:.1f} s for a completion held {hold:.0f} s"
-    assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], atomicstore.TransactionError), errors
+    assert len(errors) == 1 and isinstance(errors[0], atomicstore.TransactionError), errors
     assert not txn.committed and store.list() == []
     time.sleep(max(0.0, hold - 0.7 - took) + 1.0)  # the held completion has reached the server
     b.faults(None)
