@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 
+from ..drivers.parts import ABORT_WAIT
 from ..errors import (
     AlreadyExistsError,
     CommitOutcomeUnknownError,
@@ -292,7 +293,9 @@ class MarkerStrategy(CommitStrategy):
                 ready()
         except BaseException:
             if not put.cancel():
-                concurrent.futures.wait([put])  # (so that the abort's discard sees it)
+                # (so that the abort's discard sees it; a request the server holds is not
+                # waited for longer than a part: if it lands later, recovery removes it)
+                concurrent.futures.wait([put], timeout=ABORT_WAIT)
             raise
         try:
             d.put(key, manifest) if put.cancel() else put.result()

@@ -302,7 +302,10 @@ class OneFileCommit:
         self._lease.release()
 
     def abort(self) -> None:
-        """Discard what was written; nothing becomes visible. Idempotent."""
+        """Discard what was written; nothing becomes visible. Idempotent. A no-op once
+        :meth:`commit` was called, also while that commit still runs in another thread:
+        the file's completion is the commit point, and a commit request already sent may
+        land whatever an abort does (:meth:`commit` tells the outcome)."""
         self._check_owner("abort")
         if self._done:
             return

@@ -195,6 +195,11 @@ class Transaction:
         #: done once :meth:`abort` was called: a commit still waiting for its files'
         #: uploads gives up (the abort then goes ahead)
         self._abort_asked: concurrent.futures.Future[None] = concurrent.futures.Future()
+        #: the thread running :meth:`commit` (an abort from it, i.e. from a signal handler
+        #: that interrupted the commit, cannot take the lock the commit holds)
+        self._committer: int | None = None
+        #: such an abort: carried out by the commit once it ended
+        self._abort_deferred = False
         self.started = time.time()
         #: the committed manifest, once :meth:`commit` succeeded
         self.manifest: Manifest | None = None
@@ -304,17 +309,26 @@ class Transaction:
         :class:`~atomicstore.TransactionError` in a forked child of the process that began
         the transaction (nothing is changed)."""
         self._check_owner("commit")
-        with self._lock:
-            self._check_open()
-            if self._open:
-                raise TransactionError(
-                    f"cannot commit {self.name!r}: files still open: {sorted(self._open)}"
-                )
-            manifest, data = self._encode_manifest()  # (every entry is known at close)
-            self._publish(data, check, [done for _, done in self._closing.values()])
-            self._state = _State.COMMITTED
-            self.manifest = manifest
-            self._lease.release()
+        try:
+            with self._lock:
+                self._committer = threading.get_ident()
+                try:
+                    self._check_open()
+                    if self._open:
+                        raise TransactionError(
+                            f"cannot commit {self.name!r}: files still open: {sorted(self._open)}"
+                        )
+                    manifest, data = self._encode_manifest()  # (every entry is known at close)
+                    self._publish(data, check, [done for _, done in self._closing.values()])
+                    self._state = _State.COMMITTED
+                    self.manifest = manifest
+                    self._lease.release()
+                finally:
+                    self._committer = None
+        except BaseException:
+            if self._abort_deferred:  # asked from within this commit (a signal handler)
+                self.abort()
+            raise
         log.info("committed %s (%d files, %d bytes)", self.context.driver.describe(self.name),
                  len(manifest.files), manifest.total_bytes)
         return manifest
@@ -405,24 +419,43 @@ class Transaction:
         commit request timed out, or its reply was lost after the last retry) may still
         land afterwards, which no abort can take back (the attempt's data is kept for it;
         delete the checkpoint if it appears). :class:`~atomicstore.TransactionError` in a
-        forked child (nothing is changed)."""
+        forked child (nothing is changed).
+
+        Called from within :meth:`commit` on the committing thread (a signal handler, e.g.
+        for SIGTERM, that interrupted it), the same holds: it returns at once, and if the
+        commit was still waiting for the uploads, that commit raises
+        :class:`~atomicstore.TransactionError` after carrying out the abort itself.
+
+        The files' uploads are ended together: a server holding their last requests
+        delays the abort by at most ``ABORT_WAIT`` (10 s) for all of them, not per file."""
         self._check_owner("abort")
         with contextlib.suppress(concurrent.futures.InvalidStateError):
             self._abort_asked.set_result(None)  # a commit waiting for uploads gives up
+        if self._committer == threading.get_ident():
+            self._abort_deferred = True  # (the commit holds the lock, further up this stack)
+            return
         with self._lock:
             if self._state is not _State.OPEN:
                 return
             self._state = _State.ABORTED
-            pending = list(self._open.values())
+            writers: list[Any] = list(self._open.values()) + [w for w, _ in self._closing.values()]
             self._open.clear()
-            closing = list(self._closing.values())
             self._closing.clear()
-        for f in pending:
-            f.abort()
-        for w, _ in closing:
-            w.abort()  # returns once nothing of that upload is in flight any more
+        # each returns once nothing of its upload is in flight any more (or its bound is up)
+        errors: list[BaseException] = []
+        if len(writers) == 1:
+            try:
+                writers[0].abort()
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the cleanup
+                errors.append(exc)
+        elif writers:
+            with concurrent.futures.ThreadPoolExecutor(min(16, len(writers))) as pool:
+                ended = [pool.submit(w.abort) for w in writers]
+            errors = [e for e in (f.exception() for f in ended) if e is not None]
         self.context.strategy.discard(self.name, self.attempt)
         self._lease.release()
+        if errors:
+            raise errors[0]
 
     @property
     def committed(self) -> bool:

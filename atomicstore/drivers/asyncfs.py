@@ -20,7 +20,7 @@ from typing import Any, ClassVar, TypeVar
 from ..errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, StorageError
 from .classify import http_status_of, is_transient_error
 from .parts import POPULATE_MIN, POPULATE_SLICE, InflightBudget, populate_pages
-from .pools import background_pool
+from .pools import DaemonPool, background_pool
 from .spec import Driver, Entry, FileInfo
 
 log = logging.getLogger("atomicstore.drivers")
@@ -83,7 +83,7 @@ class AsyncFsspecDriver(Driver):
         # one thread (read_ranges_into)
         self.capabilities = replace(
             self.capabilities, io_threads=max(8, self.max_inflight_bytes // self.read_chunk), batched_reads=True)
-        self._completer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._completer: DaemonPool | None = None
         self._completer_lock = threading.Lock()
 
     def event_loop(self) -> asyncio.AbstractEventLoop:
@@ -105,8 +105,7 @@ class AsyncFsspecDriver(Driver):
         object (long waits, kept off the short-request pool of :meth:`background`)."""
         with self._completer_lock:
             if self._completer is None:
-                self._completer = concurrent.futures.ThreadPoolExecutor(
-                    32, thread_name_prefix="atomicstore-complete")
+                self._completer = DaemonPool(32, thread_name_prefix="atomicstore-complete")
             return self._completer.submit(fn)
 
     def close(self) -> None:

@@ -7,13 +7,17 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import queue
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 from ..errors import StorageTimeoutError
+
+T = TypeVar("T")
 
 
 class ForkAware(Protocol):
@@ -23,16 +27,72 @@ class ForkAware(Protocol):
         """Redo what the parent's threads and event loops held (runs in the child)."""
 
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+class DaemonPool:
+    """:class:`concurrent.futures.ThreadPoolExecutor`'s ``submit`` and ``shutdown``, on
+    daemon threads. A thread of these pools waits on one request; a request an abort gave
+    up on (``parts.ABORT_WAIT``: a server that holds it) must not keep the process from
+    exiting, as the executor's threads do (the interpreter joins them at exit): a
+    preempted job would outlive its grace period. What such a request may still store is
+    recovery's. A thread is started when no idle one is left, up to ``max_workers``, as
+    the executor does."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        self._max, self._prefix = max_workers, thread_name_prefix
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue())
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0  # threads done with a task and not yet handed another
+        self._shut = False
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._queue.put((fut, partial(fn, *args, **kwargs)))
+            if self._idle:
+                self._idle -= 1
+            elif self._threads < self._max:
+                self._threads += 1
+                threading.Thread(target=self._work, name=f"{self._prefix}_{self._threads}", daemon=True).start()
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, job = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(job())
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                    fut.set_exception(exc)
+            del item, fut, job
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = False) -> None:
+        """No new work; each thread ends once the work queued before is done. Never
+        waits for them (``wait`` is accepted for the executor's signature)."""
+        with self._lock:
+            self._shut = True
+            n = self._threads
+        for _ in range(n):
+            self._queue.put(None)
+
+
+_POOL: DaemonPool | None = None
 _POOL_GUARD = threading.Lock()
 
 
-def background_pool() -> concurrent.futures.ThreadPoolExecutor:
+def background_pool() -> DaemonPool:
     """Threads for :meth:`AsyncFsspecDriver.background` (each waits on one request)."""
     global _POOL
     with _POOL_GUARD:
         if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="atomicstore-bg")
+            _POOL = DaemonPool(32, thread_name_prefix="atomicstore-bg")
         return _POOL
 
 

@@ -363,15 +363,17 @@ def test_a_claim_whose_reply_was_lost_is_released_when_an_upload_fails(object_ba
     assert sorted(store.driver.find("")) == [], sorted(store.driver.find(""))
 
 
-def _abort_while_commit_waits(store: atomicstore.Store) -> tuple[Any, list[BaseException], float]:
-    """Commit a transaction of one 11 MiB file closed with ``close(wait=False)`` on a
-    thread of its own and, 0.7 s later (the commit waits for the file's completion, held
-    at the server by the caller's plan), abort it from this thread. Returns the
-    transaction, what the commit raised, and how long ``abort()`` took."""
+def _abort_while_commit_waits(store: atomicstore.Store, files: int = 1) -> tuple[Any, list[BaseException], float]:
+    """Commit a transaction of ``files`` 11 MiB files, each closed with
+    ``close(wait=False)``, on a thread of its own and, 0.7 s later (the commit waits for
+    the files' completions, held at the server by the caller's plan), abort it from this
+    thread. Returns the transaction, what the commit raised, and how long ``abort()``
+    took."""
     txn = store.transaction("big")
-    f = txn.open("w.bin")
-    f.write(os.urandom(11 * 2**20))
-    f.close(wait=False)
+    for i in range(files):
+        f = txn.open(f"w{i}.bin")
+        f.write(os.urandom(11 * 2**20))
+        f.close(wait=False)
     errors: list[BaseException] = []
 
     def commit() -> None:
@@ -404,22 +406,24 @@ def test_an_abort_from_another_thread_wins_while_commit_waits_for_uploads(object
     assert not txn.committed and store.list() == []
 
 
-def test_an_abort_waits_for_a_held_completion_no_longer_than_its_bound(request, tmp_path):
-    """A completion the server holds longer than ``ABORT_WAIT`` (the operation timeout is
-    the default 120 s): an abort from another thread returns once ``ABORT_WAIT`` is up, not
-    when the server answers (an interrupted commit, or a preemption's SIGTERM, stays
-    prompt). What the held completion may still store lands under the attempt's prefix,
+def test_an_abort_waits_for_held_completions_no_longer_than_its_bound(request, tmp_path):
+    """Three files' completions the server holds longer than ``ABORT_WAIT`` (the operation
+    timeout is the default 120 s): an abort from another thread returns once
+    ``ABORT_WAIT`` is up, for all three together, not when the server answers nor
+    ``ABORT_WAIT`` per file (an interrupted commit, or a preemption's SIGTERM, stays
+    prompt). What the held completions may still store lands under the attempt's prefix,
     which no marker names: recovery removes it. (Found by the attacker: the abort waited
-    the whole hold.) On moto only: the bound is the writer's, not the server's."""
+    the whole hold, then, bounded per file, 10 s per file.) On moto only: the bound is
+    the writer's, not the server's."""
     b = make_backend("s3", request, tmp_path)
     store = b.open(block_size=5 * 2**20)
     hold = ABORT_WAIT + 5
     b.faults(FaultPlan(stalls=[(_completes, hold)]))
-    txn, errors, took = _abort_while_commit_waits(store)
-    assert took < hold - 2, f"the abort waited {took:.1f} s for a completion held {hold:.0f} s"
+    txn, errors, took = _abort_while_commit_waits(store, files=3)
+    assert took < hold - 2, f"the abort waited {took:.1f} s for completions held {hold:.0f} s"
     assert len(errors) == 1 and isinstance(errors[0], atomicstore.TransactionError), errors
     assert not txn.committed and store.list() == []
-    time.sleep(max(0.0, hold - 0.7 - took) + 1.0)  # the held completion has reached the server
+    time.sleep(max(0.0, hold - 0.7 - took) + 1.0)  # the held completions have reached the server
     b.faults(None)
     store.recover(grace=0)
     assert sorted(store.driver.find("")) == [] and store.driver.list_incomplete_uploads("") == []
