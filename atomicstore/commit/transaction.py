@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import enum
 import logging
 import os
@@ -14,6 +15,7 @@ from concurrent.futures import FIRST_COMPLETED
 from types import TracebackType
 from typing import Any
 
+from ..drivers.parts import abort_deadline
 from ..drivers.spec import Writer
 from ..errors import AlreadyExistsError, InvalidArgumentError, TransactionError
 from .context import CommitContext
@@ -443,15 +445,16 @@ class Transaction:
             self._closing.clear()
         # each returns once nothing of its upload is in flight any more (or its bound is up)
         errors: list[BaseException] = []
-        if len(writers) == 1:
-            try:
-                writers[0].abort()
-            except BaseException as exc:  # noqa: BLE001 - raised below, after the cleanup
-                errors.append(exc)
-        elif writers:
-            with concurrent.futures.ThreadPoolExecutor(min(16, len(writers))) as pool:
-                ended = [pool.submit(w.abort) for w in writers]
-            errors = [e for e in (f.exception() for f in ended) if e is not None]
+        with abort_deadline():  # one deadline for all: a writer queued behind others waits what is left
+            if len(writers) == 1:
+                try:
+                    writers[0].abort()
+                except BaseException as exc:  # noqa: BLE001 - raised below, after the cleanup
+                    errors.append(exc)
+            elif writers:
+                with concurrent.futures.ThreadPoolExecutor(min(16, len(writers))) as pool:
+                    ended = [pool.submit(contextvars.copy_context().run, w.abort) for w in writers]
+                errors = [e for e in (f.exception() for f in ended) if e is not None]
         self.context.strategy.discard(self.name, self.attempt)
         self._lease.release()
         if errors:

@@ -10,6 +10,7 @@ import asyncio
 import bisect
 import concurrent.futures
 import contextlib
+import contextvars
 import errno
 import io
 import itertools
@@ -17,6 +18,7 @@ import logging
 import mmap
 import sys
 import threading
+import time
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
@@ -32,6 +34,22 @@ T = TypeVar("T")
 #: answer is a round trip away unless the server is stalled; then they are cancelled and
 #: what they may still store is left to recovery): an interrupted save stays prompt
 ABORT_WAIT = 10.0
+#: the deadline (``time.monotonic()``) of the abort in progress, shared by every writer a
+#: transaction ends together (:func:`abort_deadline`); None: each writer has ABORT_WAIT
+_ABORT_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("atomicstore_abort_deadline",
+                                                                               default=None)
+
+
+@contextlib.contextmanager
+def abort_deadline(seconds: float = ABORT_WAIT) -> Iterator[None]:
+    """Within this block (and in contexts copied from it: ``contextvars.copy_context()``
+    for the threads that end several writers at once), a writer's abort waits for its
+    requests only until ``seconds`` from now, however many writers wait before it."""
+    token = _ABORT_DEADLINE.set(time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _ABORT_DEADLINE.reset(token)
 
 
 class InflightBudget:
@@ -546,8 +564,12 @@ class BufferedPartWriter(Writer):
             self._live_cond.wait_for(lambda: not self._running, timeout=10.0)
 
     def _abort_wait(self) -> float:
-        """How long an abort waits for a request the server may still act on."""
-        return min(self.driver.operation_timeout or ABORT_WAIT, ABORT_WAIT)
+        """How long an abort waits for a request the server may still act on: ABORT_WAIT
+        (or the operation timeout, if shorter), or what is left of the deadline shared by
+        the writers of one abort (:func:`abort_deadline`)."""
+        bound = min(self.driver.operation_timeout or ABORT_WAIT, ABORT_WAIT)
+        deadline = _ABORT_DEADLINE.get()
+        return bound if deadline is None else min(bound, max(0.0, deadline - time.monotonic()))
 
     def _finish(self) -> None:
         """Wait for every part, then complete the object; abort the upload on failure."""

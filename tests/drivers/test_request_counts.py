@@ -363,8 +363,9 @@ def test_a_claim_whose_reply_was_lost_is_released_when_an_upload_fails(object_ba
     assert sorted(store.driver.find("")) == [], sorted(store.driver.find(""))
 
 
-def _abort_while_commit_waits(store: atomicstore.Store, files: int = 1) -> tuple[Any, list[BaseException], float]:
-    """Commit a transaction of ``files`` 11 MiB files, each closed with
+def _abort_while_commit_waits(store: atomicstore.Store, files: int = 1, size: int = 11 * 2**20
+                              ) -> tuple[Any, list[BaseException], float]:
+    """Commit a transaction of ``files`` files of ``size`` bytes (11 MiB), each closed with
     ``close(wait=False)``, on a thread of its own and, 0.7 s later (the commit waits for
     the files' completions, held at the server by the caller's plan), abort it from this
     thread. Returns the transaction, what the commit raised, and how long ``abort()``
@@ -372,7 +373,7 @@ def _abort_while_commit_waits(store: atomicstore.Store, files: int = 1) -> tuple
     txn = store.transaction("big")
     for i in range(files):
         f = txn.open(f"w{i}.bin")
-        f.write(os.urandom(11 * 2**20))
+        f.write(os.urandom(size))
         f.close(wait=False)
     errors: list[BaseException] = []
 
@@ -404,6 +405,31 @@ def test_an_abort_from_another_thread_wins_while_commit_waits_for_uploads(object
     b.faults(None)
     assert len(errors) == 1 and isinstance(errors[0], atomicstore.TransactionError), errors
     assert not txn.committed and store.list() == []
+
+
+def test_one_abort_bound_holds_for_forty_files(request, tmp_path):
+    """Forty small files closed with ``close(wait=False)``, every data file's PUT held
+    longer than ``ABORT_WAIT``: the abort ends them on at most 16 threads, and those
+    queued behind the first 16 wait only what is left of one shared deadline, so the
+    abort still returns in about ``ABORT_WAIT`` (it took ceil(40/16) x 10 s when each
+    writer had a bound of its own). (Found by the attacker.)"""
+    b = make_backend("s3", request, tmp_path)
+    store = b.open(block_size=5 * 2**20)
+    hold = ABORT_WAIT + 5
+
+    def data_put(env: dict[str, Any]) -> bool:
+        path = env.get("PATH_INFO", "")
+        return env.get("REQUEST_METHOD") == "PUT" and "/attempt-" in path and path.endswith(".bin")
+
+    b.faults(FaultPlan(stalls=[(data_put, hold)]))
+    txn, errors, took = _abort_while_commit_waits(store, files=40, size=64 * 2**10)
+    assert took < hold - 2, f"the abort of 40 files waited {took:.1f} s (their PUTs held {hold:.0f} s)"
+    assert len(errors) == 1 and isinstance(errors[0], atomicstore.TransactionError), errors
+    assert not txn.committed and store.list() == []
+    time.sleep(max(0.0, hold - 0.7 - took) + 1.0)  # the held PUTs have reached the server
+    b.faults(None)
+    store.recover(grace=0)
+    assert sorted(store.driver.find("")) == [] and store.driver.list_incomplete_uploads("") == []
 
 
 def test_an_abort_waits_for_held_completions_no_longer_than_its_bound(request, tmp_path):
