@@ -609,12 +609,13 @@ class BufferedPartWriter(Writer):
             # that no marker names, which recovery removes (as any request past its time).
             if self.started:
                 self._settle()
+            wait = self._abort_wait()
             try:
-                closing.result(timeout=self._abort_wait())
+                closing.result(timeout=wait)
             except concurrent.futures.TimeoutError:
                 log.warning("abort of %s: its completion is still unanswered after %.0f s; "
                             "what it may still store is left to recovery",
-                            self.driver.describe(self.key), self._abort_wait())
+                            self.driver.describe(self.key), wait)
             except BaseException:  # noqa: BLE001 - the completion's own error was reported
                 pass
             return
