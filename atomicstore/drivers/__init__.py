@@ -25,6 +25,8 @@ from .spec import (
     Entry,
     FileInfo,
     Writer,
+    refusals_are_final,
+    refusals_final,
 )
 
 ENTRY_POINT_GROUP = "atomicstore.drivers"
@@ -178,6 +180,8 @@ __all__ = [
     "Writer",
     "driver_class",
     "get_driver",
+    "refusals_are_final",
+    "refusals_final",
     "register_driver",
     "split_url",
 ]

@@ -40,7 +40,7 @@ from .asyncfs import AsyncFsspecDriver
 from .classify import error_code_of, http_status_of
 from .parts import BufferedPartWriter, PartBody
 from .payload import register as _send_parts_as_views
-from .spec import Capabilities, Entry, FileInfo, Writer
+from .spec import Capabilities, Entry, FileInfo, Writer, refusals_final
 
 log = logging.getLogger("atomicstore.drivers")
 _send_parts_as_views()  # (drivers/payload.py)
@@ -318,7 +318,7 @@ class S3Driver(AsyncFsspecDriver):
         ``<dir>/``, which SeaweedFS refuses for a directory that is not empty: a real
         object, or a directory that holds one, is never touched. Runs only for a refusal
         from such a server (its ``Server`` header): no request is added elsewhere."""
-        if not _server_of(refusal).startswith(_FILESYSTEM_SERVERS):
+        if refusals_final() or not _server_of(refusal).startswith(_FILESYSTEM_SERVERS):
             return False
         bucket, obj = self.split(key)
         try:
@@ -386,7 +386,8 @@ class S3Driver(AsyncFsspecDriver):
         except Exception as exc:
             # AWS answers 204 to a conditional delete of an object that is gone; SeaweedFS
             # (4.48) answers 412: a 412 for an object that is not there means it is gone
-            if http_status_of(exc) != 412 or not _server_of(exc).startswith(_FILESYSTEM_SERVERS):
+            if (http_status_of(exc) != 412 or not _server_of(exc).startswith(_FILESYSTEM_SERVERS)
+                    or refusals_final()):
                 raise
             try:
                 await self.s3call("head_object", Bucket=bucket, Key=obj)

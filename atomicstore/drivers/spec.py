@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import concurrent.futures.thread  # (lazily imported by the package: not in a first save)
 import contextlib
+import contextvars
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -47,6 +48,32 @@ DEFAULT_OPERATION_TIMEOUT = 120.0
 #: Default budget of bytes in flight at once on one object store: every part upload and
 #: ranged read of every file of the store counts against it (a whole save, not a file)
 DEFAULT_MAX_INFLIGHT_BYTES = 256 * 2**20
+
+#: set within :func:`refusals_are_final`
+_REFUSALS_FINAL: contextvars.ContextVar[bool] = contextvars.ContextVar("atomicstore_refusals_final",
+                                                                       default=False)
+
+
+@contextlib.contextmanager
+def refusals_are_final() -> Iterator[None]:
+    """Within this block (and in contexts copied from it, which includes the coroutines
+    an async driver runs for the caller), the caller vouches that nothing left behind can
+    explain a refusal of its conditional requests: its keys are new, below a prefix it
+    made up, and exist whenever it deletes one at a generation. A driver that spends
+    requests telling a genuine refusal from such leftovers (S3 on a store that keeps the
+    directories of deleted keys, or answers 412 to a conditional delete of a key that is
+    gone) then takes the refusal as it is. The conformance check runs in it: on such a
+    store, what those requests could find would only confirm its refusals."""
+    token = _REFUSALS_FINAL.set(True)
+    try:
+        yield
+    finally:
+        _REFUSALS_FINAL.reset(token)
+
+
+def refusals_final() -> bool:
+    """True within :func:`refusals_are_final`."""
+    return _REFUSALS_FINAL.get()
 
 
 class RenameFlags(NamedTuple):
