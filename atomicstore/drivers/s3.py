@@ -241,12 +241,16 @@ class S3Driver(AsyncFsspecDriver):
         # and a small race cannot prove it: not relied upon (one-file commits take a claim)
         exclusive_completion=False,
     )
-    #: AWS recommends ranged GETs of 8-16 MB. 8 MiB, as the upload parts (and boto3's and
-    #: the AWS CRT's ranges): the in-flight budget then holds as many reads as parts (32 by
-    #: default), and a connection carries one range at a time, so a restore uses twice the
-    #: connections of 16 MiB ranges (measured on SeaweedFS through the cloud-link shaper:
-    #: 16 MiB ranges restored at 0.6 x boto3's speed); twice the GETs is $0.0004 per GiB
-    read_chunk = 8 * 2**20
+    #: 4 MiB: half an upload part, so the in-flight budget holds twice as many ranged
+    #: reads as parts (64 by default), each on a connection of its own. A restore is bound
+    #: by how many connections carry it (a connection's throughput is limited; AWS: scale
+    #: across connections), not by the size of the ranges. Measured on SeaweedFS through
+    #: the cloud-link shaper (8 MiB/s per connection), 256 MiB, interleaved, median of 3
+    #: (docs/benchmarks.md): 8 -> 4 MiB took 16 leaves from 138 to 177 MiB/s, one object
+    #: from 149 to 172, a torch DCP load from 87 to 100 (16 MiB ranges had been 0.6 x
+    #: boto3's 8 MiB ones). The price: twice the GETs ($0.0001 more per GiB on AWS), and
+    #: twice the client's per-request CPU (~2 ms each here, on the event loop's thread).
+    read_chunk = 4 * 2**20
     transient_types = (
         ConnectionError,
         botocore.exceptions.HTTPClientError,
@@ -266,8 +270,10 @@ class S3Driver(AsyncFsspecDriver):
         self._prepare_filesystem(self.fs)
 
     def _prepare_filesystem(self, fs: Any) -> None:
-        # one connection per request the in-flight budget allows (botocore's default: 10)
-        fs.config_kwargs.setdefault("max_pool_connections", max(64, self.max_inflight_bytes // MIN_PART + 16))
+        # one connection per request the in-flight budget allows (botocore's default: 10):
+        # parts of at least MIN_PART, ranged reads of read_chunk
+        fs.config_kwargs.setdefault("max_pool_connections",
+                                    max(64, self.max_inflight_bytes // min(MIN_PART, self.read_chunk) + 16))
         # s3fs's own socket read timeout (15 s) would cut a request that the server holds
         # before our operation_timeout: a stalled PUT was retried every 15 s and gave up
         # after operation_timeout + 15 s. Ours is the one deadline: the socket's is longer.

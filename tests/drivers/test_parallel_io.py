@@ -367,7 +367,7 @@ def test_restore_reads_ranges_in_parallel_and_checks_every_leaf(object_backend, 
     t = tracked(is_ranged_get, hold=0.2)
     back = atomicstore.restore(f"{object_backend.url}/step_1", store=store)
     assert all(np.array_equal(back[k], state[k]) for k in state)
-    chunk = store.driver.read_chunk  # 8 MiB (S3: 16 MiB)
+    chunk = store.driver.read_chunk  # 8 MiB (S3: 4 MiB)
     ranges = -(-64 * MiB // chunk) + -(-12 * MiB // chunk)
     assert t.max_count == ranges, f"64 MiB + 12 MiB in {chunk // MiB} MiB ranges: saw {t.max_count} at once"
     # whole files too (read_into: ranges in parallel, CRC32C combined)

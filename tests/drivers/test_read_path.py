@@ -6,8 +6,8 @@ HEAD before reading a file whose size the first ranged GET tells), and spent mos
 event-loop thread's CPU on the page faults of the fresh arrays it read into. These tests
 observe each fix on the server or in the process, never by timing:
 
-- ranged reads are as large as the upload parts (8 MiB), so the store's in-flight budget
-  holds as many reads as parts;
+- ranged reads are half as large as the upload parts (4 MiB), so the store's in-flight
+  budget holds twice as many reads as parts, each on a connection of its own;
 - streaming a file on S3 (``iter_read``: the index, manifest-checked files) sends no HEAD;
 - a large read's destination is populated (page tables faulted in) before its data comes,
   by another thread than the one that receives the data.
@@ -107,16 +107,18 @@ def gate(request: pytest.FixtureRequest) -> Iterator[Callable[..., Gate]]:
         injector.app = app
 
 
-def test_reads_fill_the_budget_with_part_sized_ranges(s3_backend, gate):
-    """A 32 MiB budget holds four 8 MiB ranged GETs at once, as it holds four 8 MiB parts
-    of an upload (S3 read in 16 MiB ranges: two at once, half the connections)."""
+def test_reads_fill_the_budget_with_half_part_ranges(s3_backend, gate):
+    """A 32 MiB budget holds eight 4 MiB ranged GETs at once, where it holds four 8 MiB
+    parts of an upload: twice the connections (S3 read in 16 MiB ranges once: two at
+    once; then in 8 MiB ranges: four)."""
     object_backend = s3_backend
     store = object_backend.open(max_inflight_bytes=32 * MiB)
     data = np.random.default_rng(1).integers(0, 255, 32 * MiB, dtype=np.uint8)
     with store.transaction("step_1") as txn:
         txn.write_bytes("blob", data.tobytes())
     ckpt = store.open("step_1")
-    want = 32 * MiB // OBJECT_BLOCK_SIZE
+    assert store.driver.read_chunk == OBJECT_BLOCK_SIZE // 2
+    want = 32 * MiB // store.driver.read_chunk
     g = gate(object_backend, lambda n: n >= want)  # let them go once four wait together
     out = np.empty_like(data)
     ckpt.read_into("blob", out)
