@@ -436,8 +436,13 @@ class _Check:
             d.delete(self.key, if_generation=current)
             done = True
         except AlreadyExistsError:
-            done = False
-            d.delete(self.key)  # (cleanup)
+            # a refusal may answer our own delete sent again after its reply was lost (by
+            # our retry policy, or unseen: aiohttp re-sends a DELETE on a dropped keep-alive
+            # connection), and SeaweedFS refuses a conditional delete of a key that is gone;
+            # under refusals_are_final the driver does not look: the key being gone says so
+            done = not d.exists(self.key)
+            if not done:
+                d.delete(self.key)  # (cleanup)
         self.deleted = True
         if not refused:
             self.row(_DELETE, False, f"a delete at a made-up generation ({stale}) was not refused")

@@ -21,7 +21,7 @@ from ..errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, St
 from .classify import http_status_of, is_transient_error
 from .parts import POPULATE_MIN, POPULATE_SLICE, InflightBudget, populate_pages
 from .pools import DaemonPool, background_pool
-from .spec import Driver, Entry, FileInfo
+from .spec import Driver, Entry, FileInfo, refusals_are_final, refusals_final
 
 log = logging.getLogger("atomicstore.drivers")
 T = TypeVar("T")
@@ -153,7 +153,9 @@ class AsyncFsspecDriver(Driver):
                 async for attempt in self.retry.async_retrying(self.is_transient):
                     with attempt:
                         tries += 1
-                        return await once()
+                        # a try sent again may be refused for what the one before did
+                        with refusals_are_final(tries == 1 and refusals_final()):
+                            return await once()
             except BaseException as exc:  # noqa: BLE001 - translated below
                 if isinstance(exc, asyncio.CancelledError):
                     raise

@@ -55,7 +55,7 @@ _REFUSALS_FINAL: contextvars.ContextVar[bool] = contextvars.ContextVar("atomicst
 
 
 @contextlib.contextmanager
-def refusals_are_final() -> Iterator[None]:
+def refusals_are_final(final: bool = True) -> Iterator[None]:
     """Within this block (and in contexts copied from it, which includes the coroutines
     an async driver runs for the caller), the caller vouches that nothing left behind can
     explain a refusal of its conditional requests: its keys are new, below a prefix it
@@ -63,8 +63,16 @@ def refusals_are_final() -> Iterator[None]:
     requests telling a genuine refusal from such leftovers (S3 on a store that keeps the
     directories of deleted keys, or answers 412 to a conditional delete of a key that is
     gone) then takes the refusal as it is. The conformance check runs in it: on such a
-    store, what those requests could find would only confirm its refusals."""
-    token = _REFUSALS_FINAL.set(True)
+    store, what those requests could find would only confirm its refusals.
+
+    Only a request's first try: a try sent again after a lost reply or a transient error
+    may be refused because the earlier one was applied (the key it created exists, the
+    key it deleted is gone), so async drivers retry outside it (``final=False``), and a
+    refusal carrying ``retried=True`` is never taken as it is. A re-send the driver
+    cannot see (aiohttp sends a ``PUT`` or ``DELETE`` again on a keep-alive connection
+    dropped before its answer) is the caller's to reconcile: the conformance check reads
+    back what its refusals leave in doubt."""
+    token = _REFUSALS_FINAL.set(final)
     try:
         yield
     finally:

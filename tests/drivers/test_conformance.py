@@ -98,6 +98,37 @@ def test_the_check_holds_in_ten_requests_and_leaves_nothing(object_backend, reco
     print(f"\n{object_backend.server_name}: conformance check {len(log)} requests, {report.seconds:.3f}s")
 
 
+def nth_mutation_of_the_check(n: int) -> Callable[[dict[str, Any]], bool]:
+    """True for the ``n``-th (1-based) mutating request of a check (its key)."""
+    seen = [0]
+
+    def pred(environ: dict[str, Any]) -> bool:
+        if not is_mutation(environ) or CHECKED not in (object_key(environ) or ""):
+            return False
+        seen[0] += 1
+        return seen[0] == n
+
+    return pred
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_one_lost_reply_anywhere_in_the_check_never_fails_a_conforming_store(object_backend, n):
+    """The server applies the n-th mutation of the check, its reply is lost, the driver
+    sends it again. A conforming store still passes: the retry's refusal may answer the
+    try that was applied, so it is never taken as the store's refusal (found by an
+    attacker: on SeaweedFS a lost reply to the delete at the current generation got 412
+    on the retry, the check reported "conditional delete FAILS", and the cached verdict
+    refused every later save of the process)."""
+    store = fresh(object_backend)
+    object_backend.faults(FaultPlan(lost_reply_rate=1.0, budget=1, applies_to=nth_mutation_of_the_check(n)))
+    try:
+        with object_backend.server.injector.recording() as log:
+            report = conformance.check(store.driver)
+    finally:
+        object_backend.faults(None)
+    assert report.ok, report.table() + "\n" + log.describe()
+
+
 def test_the_two_creates_race(object_backend):
     """The two conditional creates are in flight at the same time (with latency injected,
     requests a client sends together overlap at the server)."""
