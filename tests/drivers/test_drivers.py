@@ -259,6 +259,26 @@ def test_the_s3_clients_socket_timeout_never_cuts_a_request_before_operation_tim
     "Fri, 27 Nov 2026 12:43:17 GMT",  # a Last-Modified header
     "Thu, 01 Jan 1970 00:00:00 GMT",
     "Fri, 27 Nov 2026 12:43:17 -0000",  # (RFC 2822: zone unknown)
+    # forms close to S3's that email.utils read otherwise (found by an attacker: with "-05"
+    # read as 5 minutes, recovery judged a live lease 5 hours old and removed its attempt)
+    "Fri, 27 Nov 2026 09:00:00 -05",
+    "Fri, 27 Nov 2026 09:00:00 +05",
+    "Fri, 27 Nov 2026 09:00:00 -1",
+    "Fri, 27 Nov 2026 09:00:00 EST",
+    "Fri, 27 Nov 2026 09:00:00 PDT",
+    "Fri, 27 Nov 2026 09:00:00 +0530",
+    "Fri, 27 Nov 2026 09:00:00 +530",
+    "Tue, 15 Nov 70 09:00:00 GMT",
+    "Tuesday, 15-Nov-70 09:00:00 GMT",
+    "tue, 15 nov 2025 09:00:00 gmt",
+    "Fri, 31 Feb 2026 09:00:00 GMT",
+    "Fri, 27 Nov 2026 24:00:00 GMT",
+    "2025-W46-6T09:00:00Z",
+    "2026-11-27T09:00:00+05:30:15",
+    "2026-11-27T09:00:00+05",
+    "2026-11-27T09:00:00.123456789Z",
+    "2026-11-27t09:00:00z",
+    "20261127T090000Z",
     "2026-11-27T12:43:17.000Z",  # a listing's LastModified
     "2026-11-27T12:43:17Z",
     "2026-11-27T12:43:17.123456+00:00",
