@@ -89,8 +89,8 @@ def _is_409(exc: BaseException) -> bool:
 #: the two forms S3 sends: an IMF-fixdate (RFC 9110; headers: ``Last-Modified``) and ISO
 #: 8601 with a zone (XML: a listing's ``LastModified``)
 _HTTP_DATE = re.compile(r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun), (\d\d) (Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) "
-                        r"(\d{4}) (\d\d):(\d\d):(\d\d) GMT")
-_ISO_DATE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,6})?(?:Z|[+-]\d\d:\d\d)")
+                        r"(\d{4}) (\d\d):(\d\d):(\d\d) GMT", re.ASCII)  # (ASCII: no other script's digits)
+_ISO_DATE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,6})?(?:Z|[+-]\d\d:\d\d)", re.ASCII)
 _MONTHS = {m: i for i, m in enumerate(("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov",
                                       "Dec"), 1)}
 

@@ -279,6 +279,9 @@ def test_the_s3_clients_socket_timeout_never_cuts_a_request_before_operation_tim
     "2026-11-27T09:00:00.123456789Z",
     "2026-11-27t09:00:00z",
     "20261127T090000Z",
+    "Fri, \u0662\u0667 Nov 2026 09:00:00 GMT",  # other scripts' digits (int() reads them)
+    "\uff12\uff10\uff12\uff16-11-27T09:00:00Z",
+    "Fri, 27 Nov 2026 09:00:00 GMT\n",
     "2026-11-27T12:43:17.000Z",  # a listing's LastModified
     "2026-11-27T12:43:17Z",
     "2026-11-27T12:43:17.123456+00:00",
