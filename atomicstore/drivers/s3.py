@@ -89,8 +89,8 @@ def _is_409(exc: BaseException) -> bool:
 #: the two forms S3 sends: an IMF-fixdate (RFC 9110; headers: ``Last-Modified``) and ISO
 #: 8601 with a zone (XML: a listing's ``LastModified``)
 _HTTP_DATE = re.compile(r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun), (\d\d) (Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) "
-                        r"(\d{4}) (\d\d):(\d\d):(\d\d) GMT", re.ASCII)  # (ASCII: no other script's digits)
-_ISO_DATE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,6})?(?:Z|[+-]\d\d:\d\d)", re.ASCII)
+                        r"([1-9]\d{3}) (\d\d):(\d\d):(\d\d) GMT", re.ASCII)  # (ASCII: no other script's digits)
+_ISO_DATE = re.compile(r"[1-9]\d{3}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,6})?(?:Z|[+-]\d\d:\d\d)", re.ASCII)
 _MONTHS = {m: i for i, m in enumerate(("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov",
                                       "Dec"), 1)}
 
@@ -98,9 +98,10 @@ _MONTHS = {m: i for i, m in enumerate(("Jan", "Feb", "Mar", "Apr", "May", "Jun",
 def parse_timestamp(value: Any) -> datetime:
     """botocore's timestamp parser, faster for the two forms S3 sends: an IMF-fixdate
     (``Fri, 27 Nov 2026 12:43:17 GMT``) and ISO 8601 with seconds and a zone
-    (``2026-11-27T12:43:17.000Z``, ``...+01:00``), read exactly, without dateutil's
-    generic parser (a fifth of a ranged GET's client CPU here). Anything else, however
-    close (another zone name or offset, two-digit years, lower case), goes to botocore's
+    (``2026-11-27T12:43:17.000Z``, ``...+01:00``), years 1000 to 9999, read exactly,
+    without dateutil's generic parser (a fifth of a ranged GET's client CPU here).
+    Anything else, however close (another zone name or offset, two-digit years or four
+    digits starting with 0, which dateutil reads as two, lower case), goes to botocore's
     own ``parse_timestamp``: the same instant, or the same error, as before. Recovery
     judges ages by these times, so a form read differently could make it remove
     something young."""

@@ -282,6 +282,12 @@ def test_the_s3_clients_socket_timeout_never_cuts_a_request_before_operation_tim
     "Fri, \u0662\u0667 Nov 2026 09:00:00 GMT",  # other scripts' digits (int() reads them)
     "\uff12\uff10\uff12\uff16-11-27T09:00:00Z",
     "Fri, 27 Nov 2026 09:00:00 GMT\n",
+    "Fri, 27 Nov 0070 12:43:17 GMT",  # (dateutil: 2070; found by an attacker: 70 AD)
+    "Fri, 27 Nov 0001 12:43:17 GMT",
+    "Fri, 27 Nov 0999 12:43:17 GMT",
+    "0070-11-27T12:43:17Z",
+    "0999-11-27T12:43:17.000Z",
+    "1000-11-27T12:43:17Z",
     "2026-11-27T12:43:17.000Z",  # a listing's LastModified
     "2026-11-27T12:43:17Z",
     "2026-11-27T12:43:17.123456+00:00",
