@@ -24,7 +24,7 @@ from typing import Any
 import flax
 import numpy as np
 import pytest
-from conftest import in_forked_child, make_backend
+from conftest import in_forked_child, make_backend, parse_python
 
 import atomicstore
 from atomicstore.compat import fjformer as fj
@@ -453,7 +453,7 @@ def test_no_adapter_calls_a_drivers_mutating_method():
     pkg = Path(atomicstore.__file__).parent
     found = []
     for path in [*sorted((pkg / "compat").glob("*.py")), pkg / "cli.py", pkg / "integrations" / "torch.py"]:
-        tree = ast.parse(path.read_text())
+        tree = parse_python(path)
         drivers = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
                    and isinstance(node.value, ast.Attribute) and node.value.attr == "driver"
                    for t in node.targets if isinstance(t, ast.Name)}

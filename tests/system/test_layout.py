@@ -12,6 +12,8 @@ import ast
 import re
 from pathlib import Path
 
+from conftest import parse_python
+
 PKG = Path(__file__).resolve().parents[2] / "atomicstore"
 LAYER = {"drivers": 0, "retry": 0, "errors": 0, "commit": 1, "pytree": 2, "manager": 3, "compat": 4,
          "integrations": 4, "testing": 4, "tiers": 3, "cli": 5, "demo": 5, "__main__": 6, "__init__": 6}
@@ -30,7 +32,7 @@ def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, list[str]
     """(imported module, names imported from it) for every import in ``path``."""
     # imports for type checkers only (``if TYPE_CHECKING:``) count like any other: a
     # type-only back-reference is still a dependency pointing up or across
-    tree = ast.parse(path.read_text())
+    tree = parse_python(path)
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):
@@ -119,7 +121,7 @@ def test_commit_modules_stay_readable():
 def test_recovery_does_not_ask_which_strategy_it_faces():
     """Recovery works through the strategy's own classification of its layout: it never
     checks which strategy class it was given."""
-    tree = ast.parse((PKG / "commit" / "recovery.py").read_text())
+    tree = parse_python(PKG / "commit" / "recovery.py")
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
             assert "Strategy" not in ast.unparse(node), ast.unparse(node)
@@ -137,7 +139,7 @@ DRIVER_RECEIVER = re.compile(r"(?:^|\.)_?(?:driver|d|drv)$")
 def driver_calls(path: Path) -> list[tuple[int, str, str]]:
     """(line, receiver, method) of every call ``<driver>.<method>(...)`` in ``path``."""
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse_python(path)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             receiver = ast.unparse(node.func.value)
             if DRIVER_RECEIVER.search(receiver):
