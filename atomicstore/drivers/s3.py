@@ -16,18 +16,17 @@ import base64
 import concurrent.futures
 import hashlib
 import logging
-import re
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from functools import partial
 from typing import Any
 
-import aiobotocore.session
 import aiohttp
 import botocore.config
 import botocore.exceptions
 import botocore.handlers
+import botocore.loaders
 import botocore.utils
 import s3fs
 from fsspec.dircache import DirCache
@@ -43,6 +42,7 @@ from .asyncfs import AsyncFsspecDriver
 from .classify import error_code_of, http_status_of
 from .parts import BufferedPartWriter, PartBody
 from .payload import register as _send_parts_as_views
+from .s3session import new_session
 from .spec import Capabilities, Entry, FileInfo, Writer, refusals_final
 
 log = logging.getLogger("atomicstore.drivers")
@@ -84,39 +84,6 @@ def _is_409(exc: BaseException) -> bool:
     return error_code_of(exc) == "ConditionalRequestConflict" or (
         http_status_of(exc) == 409 and "ConditionalRequestConflict" in str(exc)
     )
-
-
-#: the two forms S3 sends: an IMF-fixdate (RFC 9110; headers: ``Last-Modified``) and ISO
-#: 8601 with a zone (XML: a listing's ``LastModified``)
-_HTTP_DATE = re.compile(r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun), (\d\d) (Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) "
-                        r"([1-9]\d{3}) (\d\d):(\d\d):(\d\d) GMT", re.ASCII)  # (ASCII: no other script's digits)
-_ISO_DATE = re.compile(r"[1-9]\d{3}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,6})?(?:Z|[+-]\d\d:\d\d)", re.ASCII)
-_MONTHS = {m: i for i, m in enumerate(("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov",
-                                      "Dec"), 1)}
-
-
-def parse_timestamp(value: Any) -> datetime:
-    """botocore's timestamp parser, faster for the two forms S3 sends: an IMF-fixdate
-    (``Fri, 27 Nov 2026 12:43:17 GMT``) and ISO 8601 with seconds and a zone
-    (``2026-11-27T12:43:17.000Z``, ``...+01:00``), years 1000 to 9999, read exactly,
-    without dateutil's generic parser (a fifth of a ranged GET's client CPU here).
-    Anything else, however close (another zone name or offset, two-digit years or four
-    digits starting with 0, which dateutil reads as two, lower case), goes to botocore's
-    own ``parse_timestamp``: the same instant, or the same error, as before. Recovery
-    judges ages by these times, so a form read differently could make it remove
-    something young."""
-    if isinstance(value, str):
-        try:
-            m = _HTTP_DATE.fullmatch(value)
-            if m is not None:
-                day, month, year, hour, minute, second = m.groups()
-                return datetime(int(year), _MONTHS[month], int(day), int(hour), int(minute), int(second),
-                                tzinfo=UTC)
-            if _ISO_DATE.fullmatch(value):
-                return datetime.fromisoformat(value)
-        except ValueError:  # (a day or an hour out of range: botocore says so)
-            pass
-    return botocore.utils.parse_timestamp(value)  # type: ignore[no-any-return]
 
 
 class _S3Writer(BufferedPartWriter):
@@ -294,9 +261,7 @@ class S3Driver(AsyncFsspecDriver):
         if getattr(fs, "session", None) is None:  # (never a session the caller passed in)
             # the session s3fs would make, whose clients parse timestamps without dateutil
             try:
-                session = aiobotocore.session.AioSession(**getattr(fs, "kwargs", {}))
-                session.get_component("response_parser_factory").set_parser_defaults(
-                    timestamp_parser=parse_timestamp)
+                session = new_session(getattr(fs, "kwargs", {}))
             except Exception as exc:  # noqa: BLE001 - s3fs makes its own (and says what is wrong)
                 log.debug("%s: s3fs makes the session: %s", self.describe(), exc)
             else:

@@ -305,7 +305,7 @@ def test_the_s3_clients_timestamps_are_the_instants_botocore_parses(value):
     # awareness, same error as botocore's own parser for anything
     import botocore.utils
 
-    from atomicstore.drivers.s3 import parse_timestamp
+    from atomicstore.drivers.s3session import parse_timestamp
 
     try:
         want = botocore.utils.parse_timestamp(value)
@@ -330,7 +330,7 @@ def test_the_s3_clients_timestamps_agree_with_botocore_on_any_instant(when, form
 
     import botocore.utils
 
-    from atomicstore.drivers.s3 import parse_timestamp
+    from atomicstore.drivers.s3session import parse_timestamp
 
     utc = when.astimezone(datetime.UTC)
     value = {
@@ -358,3 +358,40 @@ def test_modification_times_are_the_servers(object_backend):
     (listed,) = [i.mtime for k, i in store.driver.find("t").items() if k.endswith("a")]
     assert headed is not None and before - 2 <= headed <= after + 2
     assert listed is not None and abs(listed - headed) <= 1, (listed, headed)
+
+
+def test_stores_opened_on_s3_parse_the_service_model_once(s3_server):
+    # Each store's client comes from a session of its own; parsing S3's service model
+    # (about 1 MB of JSON) for each was a quarter of a test worker's CPU. The sessions the
+    # driver makes share one data loader, which keeps what it parsed.
+    import botocore.loaders
+
+    url, opts = s3_server.url(s3_server.new_bucket()), s3_server.storage_options()
+    first = atomicstore.open_store(url, **opts, check_conformance=False)
+    first.list()
+    parsed: list[str] = []
+    real = botocore.loaders.JSONFileLoader.load_file
+
+    def counting(self, file_path, *args, **kwargs):
+        parsed.append(str(file_path))
+        return real(self, file_path, *args, **kwargs)
+
+    botocore.loaders.JSONFileLoader.load_file = counting
+    try:
+        stores = [atomicstore.open_store(url, **opts, check_conformance=False) for _ in range(3)]
+        for store in stores:
+            store.driver.put("k", b"v")
+            assert store.driver.read("k") == b"v"
+            assert store.list() == []
+    finally:
+        botocore.loaders.JSONFileLoader.load_file = real
+    assert parsed == [], parsed
+    loaders = {id(s.driver.fs.session.get_component("data_loader")) for s in [first, *stores]}
+    assert len(loaders) == 1
+    # a session the caller made is left alone: its own loader
+    import aiobotocore.session
+
+    mine = aiobotocore.session.AioSession()
+    own = atomicstore.open_store(url, **opts, session=mine, check_conformance=False)
+    assert own.driver.fs.session is mine
+    assert own.list() == []
