@@ -219,6 +219,21 @@ def _ran_from(file: str, classnames: set[str]) -> bool:
     return any(cn == mod or cn.startswith(mod + ".") for cn in classnames)
 
 
+def _matrix_runs(groups: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """The pytest runs of a cell, each named, with the groups it holds: ``drivers`` alone
+    (its own ``-k``), ``orbax`` alone (a process of its own, see `tests`), every other group
+    together in one run of two workers (one pytest per group left a core idle: 838 s of
+    tests in matrix(newest), one after another)."""
+    runs: dict[str, tuple[str, ...]] = {}
+    rest = tuple(g for g in groups if g not in ("drivers", "orbax"))
+    if rest:
+        runs["+".join(rest)] = rest
+    for alone in ("drivers", "orbax"):
+        if alone in groups:
+            runs[alone] = (alone,)
+    return runs
+
+
 class Cell(NamedTuple):
     """One cell of the matrix: what it installs and which MATRIX_TESTS groups it runs."""
 
@@ -305,34 +320,46 @@ def matrix(session: nox.Session, cell: str) -> None:
     # single such test "1/2")
     passed_by_test: dict[tuple[str, str, str], bool] = {}
     failed, unreported = [], []
-    for group in c.groups:  # every group runs, whatever an earlier one gave
-        report = tmp / f"junit-{group}.xml"
+    for run, groups in _matrix_runs(c.groups).items():  # every run runs, whatever an earlier gave
+        report = tmp / f"junit-{run}.xml"
         report.unlink(missing_ok=True)
-        args = ["-p", "no:cacheprovider", "--durations=10", f"--junitxml={report}", *MATRIX_TESTS[group]]
-        args += ["-k", f"({_DRIVERS_K}) and {_MATRIX_K}" if group == "drivers" else _MATRIX_K]
+        files = [f for g in groups for f in MATRIX_TESTS[g]]
+        args = ["-p", "no:cacheprovider", "--durations=10", f"--junitxml={report}", *files]
+        args += ["-k", f"({_DRIVERS_K}) and {_MATRIX_K}" if run == "drivers" else _MATRIX_K]
+        if len(files) > 1:  # two workers, a module whole to one (as in `tests`)
+            args += ["-n", "2", "--dist", "loadfile"]
         try:
             session.run("pytest", "-q", *args, *session.posargs)
+            run_failed = False
         except nox.command.CommandFailed:
-            failed.append(group)
+            run_failed = True
         if report.exists():
             cases = list(ET.parse(report).getroot().iter("testcase"))
-            for case in cases:
-                key = (group, case.get("classname", ""), case.get("name", ""))
-                bad = any(child.tag in ("failure", "error", "skipped") for child in case)
-                passed_by_test[key] = passed_by_test.get(key, True) and not bad
-            # a file of the group that ran no test (all deselected or skipped at import) is
-            # a failure too: pytest's own "no tests" exit code sees only the whole group
-            # (a test's classname is its file's dotted path, then its class if any:
-            # tests.drivers.test_contract.TestS3DriverOnMoto)
-            ran = {c.get("classname", "") for c in cases}
-            empty = [f for f in MATRIX_TESTS[group] if not _ran_from(f, ran)]
-            skipped = [c.get("name") for c in cases if c.find("skipped") is not None]
-            if empty or skipped:  # and a skipped test is no pass either
-                session.warn(f"matrix({cell}) {group}: no test ran from {empty}; skipped: {skipped[:5]}")
-                if group not in failed:
-                    failed.append(group)
+            for group in groups:
+                # a test's classname is its file's dotted path, then its class if any
+                # (tests.drivers.test_contract.TestS3DriverOnMoto)
+                mine = [c for c in cases if any(_ran_from(f, {c.get("classname", "")})
+                                                for f in MATRIX_TESTS[group])]
+                for case in mine:
+                    key = (group, case.get("classname", ""), case.get("name", ""))
+                    bad = any(child.tag in ("failure", "error", "skipped") for child in case)
+                    passed_by_test[key] = passed_by_test.get(key, True) and not bad
+                    if bad and group not in failed:
+                        failed.append(group)
+                # a file of the group that ran no test (all deselected or skipped at import) is
+                # a failure too: pytest's own "no tests" exit code sees only the whole run
+                ran = {c.get("classname", "") for c in mine}
+                empty = [f for f in MATRIX_TESTS[group] if not _ran_from(f, ran)]
+                skipped = [c.get("name") for c in mine if c.find("skipped") is not None]
+                if empty or skipped:  # and a skipped test is no pass either
+                    session.warn(f"matrix({cell}) {group}: no test ran from {empty}; skipped: {skipped[:5]}")
+                    if group not in failed:
+                        failed.append(group)
+            if run_failed and not any(g in failed for g in groups):
+                failed += list(groups)  # pytest failed outside any test (collection, a crash)
         else:  # pytest died before writing it: the row says so
-            unreported.append(group)
+            unreported += list(groups)
+            failed += [g for g in groups if run_failed and g not in failed]
     passed, total = sum(passed_by_test.values()), len(passed_by_test)
     no_report = f" (no report from {', '.join(unreported)})" if unreported else ""
     tests_time = time.monotonic() - started - installed
