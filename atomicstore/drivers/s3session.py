@@ -4,6 +4,7 @@ loader, so S3's service model is parsed once per process, not once per store."""
 
 from __future__ import annotations
 
+import functools
 import re
 from datetime import UTC, datetime
 from typing import Any
@@ -12,20 +13,30 @@ import aiobotocore.session
 import botocore.loaders
 import botocore.utils
 
-#: botocore's data loader per data path, shared by every session the driver makes: it
-#: caches what it parsed, S3's service model above all (~1 MB of JSON), which each new
-#: session parsed again (a store opened per save, per CLI command, per test)
-_LOADERS: dict[Any, Any] = {}
+
+@functools.cache
+def _shared_loader() -> Any:
+    """botocore's data loader for the sessions the driver makes with botocore's own data
+    path and handlers. It keeps what it parsed, S3's service model above all (~1 MB of
+    JSON), which each new session parsed again: a store opened per save, per CLI
+    command, per test. Those sessions are configured alike, so sharing it is what one
+    session does for all its clients (botocore's handlers edit the loaded model in place,
+    the same way in each). A session with a data path of its own (``AWS_DATA_PATH``, which
+    may be relative or name a variable) or other session options keeps its own loader."""
+    return botocore.loaders.create_loader()
+
+
+#: session options that leave the data path and handlers alone
+_SHAREABLE = frozenset({"profile"})
 
 
 def new_session(kwargs: dict[str, Any]) -> aiobotocore.session.AioSession:
-    """The session s3fs would make, whose clients parse timestamps without dateutil and
-    share one data loader."""
+    """The session s3fs would make, whose clients parse timestamps without dateutil and,
+    where configured alike, share one data loader."""
     session = aiobotocore.session.AioSession(**kwargs)
     session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=parse_timestamp)
-    path = session.get_config_variable("data_path")
-    loader = _LOADERS.get(path) or _LOADERS.setdefault(path, botocore.loaders.create_loader(path))
-    session.register_component("data_loader", loader)
+    if set(kwargs) <= _SHAREABLE and session.get_config_variable("data_path") is None:
+        session.register_component("data_loader", _shared_loader())
     return session
 
 

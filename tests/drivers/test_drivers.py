@@ -388,10 +388,43 @@ def test_stores_opened_on_s3_parse_the_service_model_once(s3_server):
     assert parsed == [], parsed
     loaders = {id(s.driver.fs.session.get_component("data_loader")) for s in [first, *stores]}
     assert len(loaders) == 1
-    # a session the caller made is left alone: its own loader
-    import aiobotocore.session
 
+
+def test_a_store_with_a_data_path_or_session_options_of_its_own_keeps_its_own_loader(
+        s3_server, tmp_path, monkeypatch):
+    # Only sessions configured alike share the loader: botocore's handlers edit a loaded
+    # model in place, and a data path (AWS_DATA_PATH: relative, or naming a variable) is
+    # read when its loader is made. A store of a custom S3 model (here: without
+    # ListObjectsV2) must neither lend it to another store nor borrow botocore's.
+    import json
+
+    import aiobotocore.session
+    import botocore.loaders
+
+    model = botocore.loaders.create_loader().load_service_model("s3", "service-2")
+    del model["operations"]["ListObjectsV2"]
+    version = model["metadata"]["apiVersion"]
+    (tmp_path / "models" / "s3" / version).mkdir(parents=True)
+    (tmp_path / "models" / "s3" / version / "service-2.json").write_text(json.dumps(model))
+    url, opts = s3_server.url(s3_server.new_bucket()), s3_server.storage_options()
+    plain = atomicstore.open_store(url, **opts, check_conformance=False)
+    shared = plain.driver.fs.session.get_component("data_loader")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AWS_DATA_PATH", "models")  # relative: to the directory of the moment
+    custom = atomicstore.open_store(url, **opts, check_conformance=False)
+    assert custom.driver.fs.session.get_component("data_loader") is not shared
+    with pytest.raises(atomicstore.StorageError):
+        custom.list()  # its own model: no ListObjectsV2
+    monkeypatch.delenv("AWS_DATA_PATH")
+    again = atomicstore.open_store(url, **opts, check_conformance=False)
+    assert again.driver.fs.session.get_component("data_loader") is shared
+    assert again.list() == [] and plain.list() == []
+    # session options other than a profile (here: no built-in handlers) keep their own
+    bare = atomicstore.open_store(url, **opts, include_builtin_handlers=False, check_conformance=False)
+    assert bare.driver.fs.session.get_component("data_loader") is not shared
+    # and a session the caller made is left alone
     mine = aiobotocore.session.AioSession()
     own = atomicstore.open_store(url, **opts, session=mine, check_conformance=False)
     assert own.driver.fs.session is mine
+    assert own.driver.fs.session.get_component("data_loader") is not shared
     assert own.list() == []
