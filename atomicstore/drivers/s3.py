@@ -26,7 +26,6 @@ import aiohttp
 import botocore.config
 import botocore.exceptions
 import botocore.handlers
-import botocore.loaders
 import botocore.utils
 import s3fs
 from fsspec.dircache import DirCache
@@ -259,7 +258,7 @@ class S3Driver(AsyncFsspecDriver):
         read_timeout = 3600.0 if self.operation_timeout is None else self.operation_timeout + 30.0
         fs.config_kwargs["read_timeout"] = max(float(fs.config_kwargs.get("read_timeout") or 0), read_timeout)
         if getattr(fs, "session", None) is None:  # (never a session the caller passed in)
-            # the session s3fs would make, whose clients parse timestamps without dateutil
+            # the session s3fs would make, with our timestamp parser and shared loader
             try:
                 session = new_session(getattr(fs, "kwargs", {}))
             except Exception as exc:  # noqa: BLE001 - s3fs makes its own (and says what is wrong)

@@ -1,6 +1,6 @@
 """The botocore session the S3 driver makes (never one the caller passed in): its clients
-parse timestamps without dateutil's generic parser, and every such session shares one data
-loader, so S3's service model is parsed once per process, not once per store."""
+parse timestamps without dateutil's generic parser, and the sessions configured alike share
+one data loader, so S3's service model is parsed once per process, not once per store."""
 
 from __future__ import annotations
 

