@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import base64
 import binascii
-import ctypes
 import dataclasses
-import glob
 import hashlib
 import json
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import google_crc32c
-import numpy as np
-
+# the CRC32C of buffers lives in the lowest layer (drivers use it too); exported here as before
+from ..drivers.crc import crc32c as crc32c
+from ..drivers.crc import crc32c_slices as crc32c_slices
 from ..errors import ChecksumMismatchError, CorruptionError, InvalidArgumentError
 from .names import MANIFEST_FILE, validate_name, validate_path
 
@@ -44,58 +41,6 @@ MAX_MARKER_BYTES = 64 * 2**10
 #: there has the checkpoint's metadata after one request, not two. Base64 and the rest of
 #: the marker keep it well under :data:`MAX_MARKER_BYTES`, the most any reader accepts.
 MARKER_INLINE_BYTES = 24 * 2**10
-
-
-def _load_extend() -> Any:
-    """google-crc32c's own C ``crc32c_extend``, called on buffers without a copy.
-
-    The Python binding accepts only ``bytes``; calling the library it ships through
-    ctypes lets numpy arrays and memoryviews be checksummed in place (~10 GB/s).
-    """
-    libs = glob.glob(os.path.join(os.path.dirname(google_crc32c.__file__), os.pardir,
-                                  "google_crc32c.libs", "libcrc32c*.so*"))
-    for path in libs:
-        try:
-            fn = ctypes.CDLL(path).crc32c_extend
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        fn.restype = ctypes.c_uint32
-        return fn
-    return None
-
-
-_extend = _load_extend()
-
-
-def crc32c_slices(buf: bytearray | memoryview, spans: list[tuple[int, int]]) -> list[int]:
-    """CRC32C of each ``buf[start:start + n]`` for ``(start, n)`` in ``spans``, without
-    copying the slices (one C call each)."""
-    if _extend is None or not spans:
-        mv = memoryview(buf)
-        return [crc32c(mv[a : a + n]) for a, n in spans]
-    base = np.frombuffer(buf, dtype=np.uint8)
-    addr = base.ctypes.data
-    ext = _extend
-    return [int(ext(0, addr + a, n)) if n else 0 for a, n in spans]
-
-
-def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
-    """CRC32C (Castagnoli) of ``data``, continuing from ``value``.
-
-    Accepts any C-contiguous buffer (bytes, bytearray, memoryview, numpy array).
-    """
-    if type(data) is bytes:
-        crc: int = google_crc32c.extend(value, data)
-        return crc
-    mv = memoryview(data)
-    if mv.nbytes == 0:
-        return value
-    if _extend is not None and mv.c_contiguous:
-        arr = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
-        return int(_extend(value, arr.ctypes.data, arr.nbytes))
-    crc = google_crc32c.extend(value, mv.tobytes())
-    return crc
 
 
 def _gf2_times(mat: list[int], vec: int) -> int:

@@ -6,7 +6,7 @@
 - The last part of an upload never waits for a slot (a short tail waiting for a whole
   part's transfer delayed the completion behind it).
 - Part bodies go out right after their headers: no ``Expect: 100-continue`` round trip,
-  and unhashed (``UNSIGNED-PAYLOAD``): the part's CRC32 is a signed header the server checks.
+  and unhashed (``UNSIGNED-PAYLOAD``): the part's CRC32C is a signed header the server checks.
 
 Observed on the server through :class:`test_parallel_io.Tracker` (behind the fault
 injector), on moto and on SeaweedFS.
@@ -14,6 +14,7 @@ injector), on moto and on SeaweedFS.
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 from typing import Any
@@ -23,6 +24,7 @@ from conftest import FAST_RETRY, Backend, make_backend
 from test_parallel_io import Tracker, part_of
 
 import atomicstore
+from atomicstore.commit.manifest import crc32c
 from atomicstore.drivers import s3 as s3_driver
 
 MiB = 2**20
@@ -101,7 +103,7 @@ def test_part_bodies_are_sent_without_waiting_for_100_continue(s3_backend):
 
 def test_parts_sign_their_checksum_not_their_body(s3_backend):
     """A part's body is not hashed for the signature (``UNSIGNED-PAYLOAD``, as botocore
-    sends parts on HTTPS): its CRC32 goes in a header that is signed and that the server
+    sends parts on HTTPS): its CRC32C goes in a header that is signed and that the server
     checks. Whole-object PUTs (the manifest, the marker) keep their signed SHA-256."""
     seen: list[tuple[str, str | None, str]] = []
 
@@ -113,9 +115,46 @@ def test_parts_sign_their_checksum_not_their_body(s3_backend):
     write_one_file(s3_backend, os.urandom(2 * 5 * MiB + 1000), watch, hold=0.0)
     parts = [(m, sha, auth) for m, sha, auth in seen if m == "PUT" and sha == "UNSIGNED-PAYLOAD"]
     assert len(parts) == 3, seen
-    assert all("x-amz-checksum-crc32" in auth for _, _, auth in parts), parts  # a signed header
+    assert all("x-amz-checksum-crc32c" in auth.split("SignedHeaders=")[1] for _, _, auth in parts), parts
     puts = [sha for m, sha, _ in seen if m == "PUT" and sha != "UNSIGNED-PAYLOAD"]
     assert puts and all(sha and len(sha) == 64 for sha in puts), seen  # manifest, marker, lease
+
+
+def test_each_part_carries_the_crc32c_of_its_own_body(s3_backend):
+    """The checksum the server checks a part against is the CRC32C of that part's bytes
+    (the manifest's checksum, computed by the writer), in ``x-amz-checksum-crc32c``,
+    with no other checksum header; three parts of different content and sizes."""
+    sent: list[tuple[str | None, bytes, list[str]]] = []
+
+    class Record:
+        def __init__(self, app: Any) -> None:
+            self.app = app
+
+        def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+            what = part_of(environ)
+            if what and what[0].endswith("state.bin"):  # not the conformance check's part
+                body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+                environ["wsgi.input"] = io.BytesIO(body)
+                others = [k for k in environ if k.startswith("HTTP_X_AMZ_CHECKSUM_") and k != "HTTP_X_AMZ_CHECKSUM_CRC32C"]
+                sent.append((environ.get("HTTP_X_AMZ_CHECKSUM_CRC32C"), body, others))
+            return self.app(environ, start_response)
+
+    injector = s3_backend.server.injector
+    inner = injector.app
+    injector.app = Record(inner)
+    data = os.urandom(2 * 5 * MiB + 1000)
+    try:
+        store = s3_backend.open(block_size=5 * MiB)
+        with store.transaction("step_1") as txn:
+            txn.write_bytes("state.bin", data)
+    finally:
+        injector.app = inner
+    assert sorted(len(body) for _, body, _ in sent) == [1000, 5 * MiB, 5 * MiB], [(len(b), h) for h, b, _ in sent]
+    assert b"".join(body for _, body, _ in sorted(sent, key=lambda s: data.index(s[1][:64]))) == data
+    for header, body, others in sent:
+        assert header == base64.b64encode(crc32c(body).to_bytes(4, "big")).decode(), (header, len(body))
+        assert others == [], others
+    assert store.read_bytes("step_1", "state.bin") == data
 
 
 def test_a_client_config_that_asks_for_signed_payloads_keeps_them(s3_backend):
@@ -137,7 +176,7 @@ def test_a_client_config_that_asks_for_signed_payloads_keeps_them(s3_backend):
 
 def test_a_part_whose_body_does_not_match_its_signed_checksum_is_refused(s3_backend):
     """What stands for the body's signature: the server checks the part against its
-    CRC32 (SeaweedFS, as AWS documents: 400 BadDigest, and the save fails having
+    CRC32C (SeaweedFS, as AWS documents: 400 BadDigest, and the save fails having
     committed nothing). moto stores what it gets: there the manifest's CRC32C catches it
     when the file is read."""
     store = s3_backend.open(block_size=5 * MiB)
