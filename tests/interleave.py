@@ -1428,6 +1428,69 @@ class World:
 NEW, WAITING, RUNNING, DONE = "new", "waiting", "running", "done"
 
 
+class _Signal:
+    """A wake-up for one waiting thread: a binary semaphore over a raw lock (cheaper
+    than an Event or a Condition). Signals given while nobody waits collapse into one;
+    a waiter re-checks the state it waits for, so a spurious wake-up is harmless."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._guard = threading.Lock()
+
+    def set(self) -> None:
+        with self._guard:
+            if self._lock.locked():
+                self._lock.release()
+
+    def wait(self, timeout: float) -> bool:
+        return self._lock.acquire(timeout=timeout)
+
+
+class _Worker:
+    """A thread that runs actors' programs, one after another: schedules reuse them
+    instead of starting a thread per actor per schedule (starting a thread and waiting
+    for it to run costs as much as several scheduling steps). A worker whose program did
+    not end (a hung run, abandoned by the watchdog) is never reused."""
+
+    _idle: list[_Worker] = []
+    _idle_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.go = _Signal()
+        self.job: tuple[Callable[[], None], _Signal] | None = None
+        self.thread = threading.Thread(target=self._loop, name="actor-idle", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def run(cls, fn: Callable[[], None], name: str) -> tuple[threading.Thread, _Signal]:
+        """Run ``fn`` in an idle worker (a new one if none is idle); returns the worker's
+        thread and a signal set when ``fn`` has returned."""
+        with cls._idle_lock:
+            worker = cls._idle.pop() if cls._idle else None
+        if worker is None:
+            worker = cls()
+        done = _Signal()
+        worker.thread.name = name
+        worker.job = (fn, done)
+        worker.go.set()
+        return worker.thread, done
+
+    def _loop(self) -> None:
+        while True:
+            if not self.go.wait(3600.0) or self.job is None:
+                continue
+            fn, done = self.job
+            try:
+                fn()  # Scheduler._main: catches everything
+            finally:
+                self.job = None
+                self.thread.name = "actor-idle"
+                with self._idle_lock:
+                    self._idle.append(self)
+                done.set()
+
+
 @dataclass
 class ChoiceState:
     """What an explorer sees at a choice point."""
@@ -1525,6 +1588,10 @@ class ActorCtx:
     lease_checks: list[tuple[int, float]] = field(default_factory=list)
     listing_cache: dict[tuple[str, str], Any] = field(default_factory=dict)
     start_snapshot: dict[str, StoredObject] | None = None
+    #: wakes this actor's thread when it is granted (or the run is aborted)
+    wake: _Signal = field(default_factory=_Signal)
+    #: set once the program (run by a :class:`_Worker`) has returned
+    finished: _Signal | None = None
 
 
 class Scheduler:
@@ -1540,7 +1607,9 @@ class Scheduler:
     ) -> None:
         self.world, self.explorer = world, explorer
         self.eager_invisible, self.watchdog = eager_invisible, watchdog
-        self.cv = threading.Condition()
+        # hand-off: the main thread wakes only the actor it grants (``ActorCtx.wake``),
+        # and an actor that reaches a point or ends wakes only the main thread
+        self.main_wake = _Signal()
         self.ctxs: dict[str, ActorCtx] = {}
         world.ctxs = self.ctxs
         self.lock_holder: str | None = None
@@ -1616,19 +1685,18 @@ class Scheduler:
         return result
 
     def _wait_for_grant(self, ctx: ActorCtx, op: Op, index: int) -> None:
-        with self.cv:
-            ctx.pending, ctx.pending_index, ctx.state = op, index, WAITING
-            self.cv.notify_all()
-            while not ctx.granted:
-                if self.aborted:
-                    raise _Aborted(self.aborted)
-                self.cv.wait(1.0)
-            ctx.granted, ctx.pending = False, None
-            if ctx.event is not None and op.kind not in HARNESS_POINTS and not op.invisible:
-                ev = ctx.event
-                if ev.first_step is None:
-                    ev.first_step = self.world.step
-                ev.last_step = self.world.step
+        ctx.pending, ctx.pending_index, ctx.state = op, index, WAITING
+        self.main_wake.set()
+        while not ctx.granted:
+            if self.aborted:
+                raise _Aborted(self.aborted)
+            ctx.wake.wait(1.0)
+        ctx.granted, ctx.pending = False, None
+        if ctx.event is not None and op.kind not in HARNESS_POINTS and not op.invisible:
+            ev = ctx.event
+            if ev.first_step is None:
+                ev.first_step = self.world.step
+            ev.last_step = self.world.step
 
     def jump(self, ctx: ActorCtx, delta: float, scope: str, why: str) -> None:
         self.world.clock.jump(delta, ctx.name, scope)
@@ -1667,35 +1735,36 @@ class Scheduler:
         finally:
             if ctx.holds_lock:  # a dead process's lock is released (flock)
                 self.release_lock(ctx)
-            with self.cv:
-                ctx.state = DONE
-                self.cv.notify_all()
+            ctx.state = DONE
+            self.main_wake.set()
             _LOCAL.ctx = None
 
     def _quiesce(self) -> None:
         """Wait until every actor is blocked at a point or finished."""
-        deadline = time.monotonic() + self.watchdog
-        with self.cv:
-            while True:
-                busy = [
-                    c.name
-                    for c in self.ctxs.values()
-                    if c.state == RUNNING or (c.state == NEW and c.thread is not None)
-                ]
-                if not busy:
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.abort(
-                        f"watchdog: {busy} did not reach a scheduling point within {self.watchdog}s"
-                    )
-                    raise RunFailure(self.aborted or "")
-                self.cv.wait(min(left, 1.0))
+        deadline = None
+        while True:
+            busy = [
+                c.name
+                for c in self.ctxs.values()
+                if c.state == RUNNING or (c.state == NEW and c.thread is not None)
+            ]
+            if not busy:
+                return
+            if deadline is None:
+                deadline = time.monotonic() + self.watchdog
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.abort(
+                    f"watchdog: {busy} did not reach a scheduling point within {self.watchdog}s"
+                )
+                raise RunFailure(self.aborted or "")
+            self.main_wake.wait(min(left, 1.0))
 
     def abort(self, why: str) -> None:
-        with self.cv:
-            self.aborted = why
-            self.cv.notify_all()
+        self.aborted = why
+        for c in self.ctxs.values():
+            c.wake.set()
+        self.main_wake.set()
 
     def _pending_footprint(self, ctx: ActorCtx) -> Footprint:
         assert ctx.pending is not None
@@ -1712,10 +1781,9 @@ class Scheduler:
             ctx = self.ctxs[name]
             if name in snapshot_for and world.backend is not None:
                 ctx.start_snapshot = world.backend.snapshot()
-            ctx.thread = threading.Thread(
-                target=self._main, args=(ctx,), name=f"actor-{name}", daemon=True
+            ctx.thread, ctx.finished = _Worker.run(
+                lambda ctx=ctx: self._main(ctx), f"actor-{name}"
             )
-            ctx.thread.start()
             self._quiesce()
         for ctx in self.ctxs.values():
             ctx.tail_everything = ctx.lock_changed = False
@@ -1777,15 +1845,14 @@ class Scheduler:
                 world.step += 1
                 clocks = [world.clock.of(c.name) for c in self.ctxs.values()]
                 world.step_clocks[world.step] = (world.clock.now(), max(clocks))
-                with self.cv:
-                    chosen.state, chosen.granted = RUNNING, True
-                    self.cv.notify_all()
+                chosen.state, chosen.granted = RUNNING, True
+                chosen.wake.set()
         finally:
             if self.aborted is None and any(c.state != DONE for c in self.ctxs.values()):
                 self.abort("run ended early")
             for c in self.ctxs.values():
-                if c.thread is not None:
-                    c.thread.join(timeout=5)
+                if c.finished is not None:
+                    c.finished.wait(5)
 
 
 def _summary(result: Any) -> str:
