@@ -1607,9 +1607,14 @@ class Scheduler:
     ) -> None:
         self.world, self.explorer = world, explorer
         self.eager_invisible, self.watchdog = eager_invisible, watchdog
-        # hand-off: the main thread wakes only the actor it grants (``ActorCtx.wake``),
-        # and an actor that reaches a point or ends wakes only the main thread
+        # hand-off: only the actor granted is woken (``ActorCtx.wake``), by the thread
+        # that chose it; the main thread starts the actors, takes the first turn and is
+        # woken at the end (``main_wake``)
         self.main_wake = _Signal()
+        self.driving = False  # the actors take the turns (after they all started)
+        self.current: tuple[ActorCtx, Footprint, bool, bool] | None = None
+        self.over = False
+        self.failure: BaseException | None = None
         self.ctxs: dict[str, ActorCtx] = {}
         world.ctxs = self.ctxs
         self.lock_holder: str | None = None
@@ -1686,7 +1691,7 @@ class Scheduler:
 
     def _wait_for_grant(self, ctx: ActorCtx, op: Op, index: int) -> None:
         ctx.pending, ctx.pending_index, ctx.state = op, index, WAITING
-        self.main_wake.set()
+        self._hand_on(ctx)
         while not ctx.granted:
             if self.aborted:
                 raise _Aborted(self.aborted)
@@ -1736,7 +1741,7 @@ class Scheduler:
             if ctx.holds_lock:  # a dead process's lock is released (flock)
                 self.release_lock(ctx)
             ctx.state = DONE
-            self.main_wake.set()
+            self._hand_on(ctx)
             _LOCAL.ctx = None
 
     def _quiesce(self) -> None:
@@ -1787,66 +1792,16 @@ class Scheduler:
             self._quiesce()
         for ctx in self.ctxs.values():
             ctx.tail_everything = ctx.lock_changed = False
-        current: tuple[ActorCtx, Footprint, bool, bool] | None = None
         try:
-            while True:
-                self._quiesce()
-                if current is not None:
-                    c, fp, lock_before, was_eager = current
-                    if lock_before or c.holds_lock or c.lock_changed:
-                        fp = fp | LOCK_FOOTPRINT
-                    if c.tail_everything:
-                        fp = EVERYTHING
-                    c.tail_everything = c.lock_changed = False
-                    if not was_eager:
-                        self.explorer.executed(c.name, fp)
-                    current = None
-                waiting = [
-                    c
-                    for c in sorted(self.ctxs.values(), key=lambda c: c.name)
-                    if c.state == WAITING
-                ]
-                if not waiting:
-                    break
-                enabled = [
-                    c
-                    for c in waiting
-                    if c.pending is not None
-                    and (c.pending.kind != "lock" or self.lock_holder in (None, c.name))
-                ]
-                if not enabled:
-                    raise RunFailure(
-                        f"deadlock: {[c.name for c in waiting]} wait for the lock held by "
-                        f"{self.lock_holder}"
-                    )
-                eager = [
-                    c
-                    for c in enabled
-                    if self.eager_invisible
-                    and c.pending is not None
-                    and c.pending.invisible
-                    and not c.holds_lock
-                ]
-                if eager:
-                    chosen = eager[0]
-                else:
-                    last = self.choices[-1] if self.choices else None
-                    name = self.explorer.choose(
-                        ChoiceState(
-                            [c.name for c in enabled],
-                            {c.name: self._pending_footprint(c) for c in waiting},
-                            last,
-                        )
-                    )
-                    chosen = self.ctxs[name]
-                    self.choices.append(name)
-                assert chosen.pending is not None
-                current = (chosen, chosen.pending.footprint(), chosen.holds_lock, bool(eager))
-                world.step += 1
-                clocks = [world.clock.of(c.name) for c in self.ctxs.values()]
-                world.step_clocks[world.step] = (world.clock.now(), max(clocks))
-                chosen.state, chosen.granted = RUNNING, True
-                chosen.wake.set()
+            # from here on, each turn is taken by the thread that ended the last one
+            # (:meth:`_hand_on`); the main thread takes the first and waits for the end
+            self.driving = True
+            first = self._step()
+            if first is not None:
+                first.wake.set()
+                self._await_end()
+            if self.failure is not None:
+                raise self.failure
         finally:
             if self.aborted is None and any(c.state != DONE for c in self.ctxs.values()):
                 self.abort("run ended early")
@@ -1854,6 +1809,99 @@ class Scheduler:
                 if c.finished is not None:
                     c.finished.wait(5)
 
+    def _step(self) -> ActorCtx | None:
+        """One turn, once every actor waits at a point or is done: account for the
+        transition that just ran, choose who goes next and grant it (without waking it).
+        None when every actor is done."""
+        world = self.world
+        if self.current is not None:
+            c, fp, lock_before, was_eager = self.current
+            if lock_before or c.holds_lock or c.lock_changed:
+                fp = fp | LOCK_FOOTPRINT
+            if c.tail_everything:
+                fp = EVERYTHING
+            c.tail_everything = c.lock_changed = False
+            if not was_eager:
+                self.explorer.executed(c.name, fp)
+            self.current = None
+        waiting = [c for c in sorted(self.ctxs.values(), key=lambda c: c.name) if c.state == WAITING]
+        if not waiting:
+            return None
+        enabled = [
+            c
+            for c in waiting
+            if c.pending is not None
+            and (c.pending.kind != "lock" or self.lock_holder in (None, c.name))
+        ]
+        if not enabled:
+            raise RunFailure(
+                f"deadlock: {[c.name for c in waiting]} wait for the lock held by "
+                f"{self.lock_holder}"
+            )
+        eager = [
+            c
+            for c in enabled
+            if self.eager_invisible
+            and c.pending is not None
+            and c.pending.invisible
+            and not c.holds_lock
+        ]
+        if eager:
+            chosen = eager[0]
+        else:
+            last = self.choices[-1] if self.choices else None
+            name = self.explorer.choose(
+                ChoiceState(
+                    [c.name for c in enabled],
+                    {c.name: self._pending_footprint(c) for c in waiting},
+                    last,
+                )
+            )
+            chosen = self.ctxs[name]
+            self.choices.append(name)
+        assert chosen.pending is not None
+        self.current = (chosen, chosen.pending.footprint(), chosen.holds_lock, bool(eager))
+        world.step += 1
+        clocks = [world.clock.of(c.name) for c in self.ctxs.values()]
+        world.step_clocks[world.step] = (world.clock.now(), max(clocks))
+        chosen.state, chosen.granted = RUNNING, True
+        return chosen
+
+    def _hand_on(self, ctx: ActorCtx) -> None:
+        """Called by ``ctx``'s thread when it reached a point or ended (every actor is
+        then at a point or done): take the next turn here, and wake the chosen actor
+        unless it is ``ctx`` itself; at the end of the run, or if the turn failed
+        (deadlock, replay divergence, a schedule the reduction abandons: raised by the
+        main thread), wake the main thread."""
+        if not self.driving or self.aborted is not None:
+            self.main_wake.set()
+            return
+        try:
+            chosen = self._step()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the main thread
+            self.failure = exc
+            chosen = None
+        if chosen is None:
+            self.over = True
+            self.main_wake.set()
+        elif chosen is not ctx:
+            chosen.wake.set()
+
+    def _await_end(self) -> None:
+        """Wait until the actors have run the schedule to its end; abort the run if no
+        actor reaches its next point within ``watchdog`` seconds."""
+        step, deadline = -1, 0.0
+        while not self.over:
+            if self.world.step != step:
+                step, deadline = self.world.step, time.monotonic() + self.watchdog
+            left = deadline - time.monotonic()
+            if left <= 0:
+                busy = [c.name for c in self.ctxs.values() if c.state == RUNNING]
+                self.abort(
+                    f"watchdog: {busy} did not reach a scheduling point within {self.watchdog}s"
+                )
+                raise RunFailure(self.aborted or "")
+            self.main_wake.wait(min(left, 1.0))
 
 def _summary(result: Any) -> str:
     if result is None:
