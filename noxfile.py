@@ -277,7 +277,7 @@ MATRIX = {
 }
 #: what the summary row names (pip freeze of the cell gives the rest)
 _MATRIX_SHOWN = ["torch", "jax", "jaxlib", "flax", "orbax-checkpoint", "numpy", "ml-dtypes", "fsspec",
-                 "s3fs", "gcsfs", "botocore", "aiobotocore", "msgpack", "tenacity", "google-crc32c"]
+                 "s3fs", "gcsfs", "botocore", "aiobotocore", "isal", "msgpack", "tenacity", "google-crc32c"]
 
 
 def _lowest_constraints() -> Any:

@@ -6,7 +6,7 @@
 - The last part of an upload never waits for a slot (a short tail waiting for a whole
   part's transfer delayed the completion behind it).
 - Part bodies go out right after their headers: no ``Expect: 100-continue`` round trip,
-  and unhashed (``UNSIGNED-PAYLOAD``): the part's CRC32C is a signed header the server checks.
+  and unhashed (``UNSIGNED-PAYLOAD``): the part's CRC32 is a signed header the server checks.
 
 Observed on the server through :class:`test_parallel_io.Tracker` (behind the fault
 injector), on moto and on SeaweedFS.
@@ -17,8 +17,10 @@ from __future__ import annotations
 import base64
 import io
 import os
+import zlib
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import FAST_RETRY, Backend, make_backend
 from test_parallel_io import Tracker, part_of
@@ -103,7 +105,7 @@ def test_part_bodies_are_sent_without_waiting_for_100_continue(s3_backend):
 
 def test_parts_sign_their_checksum_not_their_body(s3_backend):
     """A part's body is not hashed for the signature (``UNSIGNED-PAYLOAD``, as botocore
-    sends parts on HTTPS): its CRC32C goes in a header that is signed and that the server
+    sends parts on HTTPS): its CRC32 goes in a header that is signed and that the server
     checks. Whole-object PUTs (the manifest, the marker) keep their signed SHA-256."""
     seen: list[tuple[str, str | None, str]] = []
 
@@ -115,46 +117,122 @@ def test_parts_sign_their_checksum_not_their_body(s3_backend):
     write_one_file(s3_backend, os.urandom(2 * 5 * MiB + 1000), watch, hold=0.0)
     parts = [(m, sha, auth) for m, sha, auth in seen if m == "PUT" and sha == "UNSIGNED-PAYLOAD"]
     assert len(parts) == 3, seen
-    assert all("x-amz-checksum-crc32c" in auth.split("SignedHeaders=")[1] for _, _, auth in parts), parts
+    assert all("x-amz-checksum-crc32;" in auth.split("SignedHeaders=")[1] for _, _, auth in parts), parts
     puts = [sha for m, sha, _ in seen if m == "PUT" and sha != "UNSIGNED-PAYLOAD"]
     assert puts and all(sha and len(sha) == 64 for sha in puts), seen  # manifest, marker, lease
 
 
-def test_each_part_carries_the_crc32c_of_its_own_body(s3_backend):
-    """The checksum the server checks a part against is the CRC32C of that part's bytes
-    (the manifest's checksum, computed by the writer), in ``x-amz-checksum-crc32c``,
-    with no other checksum header; three parts of different content and sizes."""
-    sent: list[tuple[str | None, bytes, list[str]]] = []
+class PartBodies:
+    """WSGI middleware in front of the server: records each part of ``state.bin`` (its
+    ``x-amz-checksum-*`` headers and body) and passes on ``alter(number, body)``."""
 
-    class Record:
-        def __init__(self, app: Any) -> None:
-            self.app = app
+    def __init__(self, app: Any, alter: Any = None) -> None:
+        self.app, self.alter = app, alter
+        self.sent: list[tuple[dict[str, str], bytes]] = []
 
-        def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
-            what = part_of(environ)
-            if what and what[0].endswith("state.bin"):  # not the conformance check's part
-                body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
-                environ["wsgi.input"] = io.BytesIO(body)
-                others = [k for k in environ if k.startswith("HTTP_X_AMZ_CHECKSUM_") and k != "HTTP_X_AMZ_CHECKSUM_CRC32C"]
-                sent.append((environ.get("HTTP_X_AMZ_CHECKSUM_CRC32C"), body, others))
-            return self.app(environ, start_response)
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        what = part_of(environ)
+        if what and what[0].endswith("state.bin"):  # not the conformance check's part
+            body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+            sums = {k: v for k, v in environ.items() if k.startswith("HTTP_X_AMZ_CHECKSUM_")}
+            self.sent.append((sums, body))
+            if self.alter is not None:
+                body = self.alter(what[1], body)
+            environ["wsgi.input"] = io.BytesIO(body)
+        return self.app(environ, start_response)
 
-    injector = s3_backend.server.injector
+
+def save_through(backend: Backend, data: bytes, alter: Any = None) -> tuple[atomicstore.Store, PartBodies]:
+    injector = backend.server.injector
     inner = injector.app
-    injector.app = Record(inner)
-    data = os.urandom(2 * 5 * MiB + 1000)
+    injector.app = watch = PartBodies(inner, alter)
     try:
-        store = s3_backend.open(block_size=5 * MiB)
+        store = backend.open(block_size=5 * MiB)
         with store.transaction("step_1") as txn:
             txn.write_bytes("state.bin", data)
     finally:
         injector.app = inner
-    assert sorted(len(body) for _, body, _ in sent) == [1000, 5 * MiB, 5 * MiB], [(len(b), h) for h, b, _ in sent]
-    assert b"".join(body for _, body, _ in sorted(sent, key=lambda s: data.index(s[1][:64]))) == data
-    for header, body, others in sent:
-        assert header == base64.b64encode(crc32c(body).to_bytes(4, "big")).decode(), (header, len(body))
-        assert others == [], others
+    return store, watch
+
+
+def b64(crc: int) -> str:
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def test_each_part_carries_the_crc32_of_its_own_body(s3_backend):
+    """The checksum the server checks a part against is the CRC32 of that part's bytes,
+    in ``x-amz-checksum-crc32``, and no other; three parts of different sizes."""
+    data = os.urandom(2 * 5 * MiB + 1000)
+    store, watch = save_through(s3_backend, data)
+    assert sorted(len(body) for _, body in watch.sent) == [1000, 5 * MiB, 5 * MiB]
+    assert b"".join(body for _, body in sorted(watch.sent, key=lambda s: data.index(s[1][:64]))) == data
+    for sums, body in watch.sent:
+        assert sums == {"HTTP_X_AMZ_CHECKSUM_CRC32": b64(zlib.crc32(body))}, (sums, len(body))
     assert store.read_bytes("step_1", "state.bin") == data
+
+
+def keeping(checksum: Any, n: int) -> bytes:
+    """A non-zero ``delta`` of ``n`` bytes with ``checksum(m ^ delta) == checksum(m)`` for
+    every ``m`` of ``n`` bytes (CRCs are affine: a bit in the middle, corrected in the last
+    four bytes by solving over GF(2))."""
+    zero = checksum(bytes(n))
+
+    def lin(d: bytes) -> int:
+        return checksum(d) ^ zero
+
+    delta = bytearray(n)
+    delta[n // 2] = 0x80
+    basis: dict[int, tuple[int, int]] = {}  # leading bit -> (image, which of the 32 tail bits)
+    for k in range(32):
+        e = bytearray(n)
+        e[n - 4 + k // 8] = 1 << (k % 8)
+        v, m = lin(bytes(e)), 1 << k
+        for bit in range(31, -1, -1):
+            if (v >> bit) & 1:
+                if bit not in basis:
+                    basis[bit] = (v, m)
+                    break
+                v, m = v ^ basis[bit][0], m ^ basis[bit][1]
+    v, m = lin(bytes(delta)), 0
+    for bit in range(31, -1, -1):
+        if (v >> bit) & 1:
+            v, m = v ^ basis[bit][0], m ^ basis[bit][1]
+    for k in range(32):
+        if (m >> k) & 1:
+            delta[n - 4 + k // 8] ^= 1 << (k % 8)
+    assert any(delta) and lin(bytes(delta)) == 0
+    return bytes(delta)
+
+
+@pytest.mark.parametrize(("server", "kept"), [("seaweed", "crc32"), ("seaweed", "crc32c"), ("s3", "crc32")])
+def test_damage_to_a_part_that_keeps_one_checksum_is_caught_by_the_other(request, tmp_path, server, kept):
+    """The part's CRC32 (checked by the server) and the manifest's CRC32C (checked on every
+    read) are two polynomials: a part changed on its way so that one of them still matches
+    is caught by the other. With CRC32C for both, a change that keeps one keeps the other
+    (found by an attack: such a save committed and read back other bytes). moto checks no
+    part checksum, so there only the manifest's CRC32C stands."""
+    s3_backend = make_backend(server, request, tmp_path)
+    fn = zlib.crc32 if kept == "crc32" else crc32c
+    delta = keeping(fn, 5 * MiB)
+
+    def alter(number: int, body: bytes) -> bytes:
+        if number != 2:
+            return body
+        changed = (np.frombuffer(body, np.uint8) ^ np.frombuffer(delta, np.uint8)).tobytes()
+        assert changed != body and fn(changed) == fn(body)
+        return changed
+
+    data = os.urandom(2 * 5 * MiB + 1000)
+    if kept == "crc32c":  # the server's CRC32 refuses the part: nothing is committed
+        with pytest.raises(atomicstore.StorageError, match="BadDigest|did not match|checksum"):
+            save_through(s3_backend, data, alter)
+        assert not s3_backend.open().list()
+    else:  # the server stores it; every read of the file refuses it
+        store, _ = save_through(s3_backend, data, alter)
+        with pytest.raises(atomicstore.CorruptionError, match="state.bin"):
+            store.read_bytes("step_1", "state.bin")
+        with pytest.raises(atomicstore.ChecksumMismatchError):
+            store.verify("step_1")
 
 
 def test_a_client_config_that_asks_for_signed_payloads_keeps_them(s3_backend):
@@ -176,7 +254,7 @@ def test_a_client_config_that_asks_for_signed_payloads_keeps_them(s3_backend):
 
 def test_a_part_whose_body_does_not_match_its_signed_checksum_is_refused(s3_backend):
     """What stands for the body's signature: the server checks the part against its
-    CRC32C (SeaweedFS, as AWS documents: 400 BadDigest, and the save fails having
+    CRC32 (SeaweedFS, as AWS documents: 400 BadDigest, and the save fails having
     committed nothing). moto stores what it gets: there the manifest's CRC32C catches it
     when the file is read."""
     store = s3_backend.open(block_size=5 * MiB)
