@@ -258,7 +258,7 @@ def _write_node(em: _Emitter, node: Any, path: Path, index: list[list[Any]], opt
         kb = pack(k if type(k) is str else k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k))
         hit = None
         if plain and depth < mp.MAX_DEPTH and type(child) is ndarray and child.nbytes < 65536 \
-                and child.flags.c_contiguous:
+                and child.flags.c_contiguous and child.dtype.isnative:
             # (only storable dtypes ever get a head: others go the checked way below)
             hit = heads.get((child.dtype, child.shape, EXT_NDARRAY))
             if hit is None and is_storable(child.dtype):
@@ -335,6 +335,11 @@ def _write_array(em: _Emitter, x: np.ndarray, is_own: bool, path: Path, index: l
     cast = opts.cast_dtype
     if cast is None or cast == x.dtype or not is_float(x.dtype):
         cast = None
+    if cast is None and not x.dtype.isnative:
+        # written in the machine's byte order, a block at a time: the stored dtype is a
+        # name without one (flax's too), so raw big-endian bytes would read back as other
+        # values; the values are kept, the byte order is not
+        cast = x.dtype.newbyteorder("=")
     own = is_own and cast is None  # the tree's own array (not a converted temporary)
     if x.size * (cast or x.dtype).itemsize > FLAX_MAX_CHUNK:
         if depth + 2 > mp.MAX_DEPTH:  # flax's chunked layout: two maps below the leaf
