@@ -25,10 +25,11 @@ TORCH = "torch==2.13.0"
 
 # The sessions that only need a working environment (tests, lint, docs, build) install with
 # uv when it is there (`pip install nox uv`, as the README and CI do), else with pip. On
-# this 2-core machine uv installed the suite's environment in 18 s, the same 116 packages
-# at the same versions as pip, which took about 3 min in CI's run and 8.5 min (7.7 of
-# them CPU) beside another job (2026-11-27). The dependency matrix stays on pip: its rows
-# are what a user's `pip install` gets.
+# this 2-core machine uv installed the suite's environment in 18 s (69 s compiling its
+# bytecode, below, beside other work), the same 116 packages at the same versions as pip,
+# which took about 3 min in CI's run and 8.5 min (7.7 of them CPU) beside another job
+# (2026-11-27). The dependency matrix stays on pip: its rows are what a user's
+# `pip install` gets.
 FAST_VENV = "uv|virtualenv"
 # pip finds this machine's CPU build of torch through its configuration (find-links
 # /opt/wheels); uv reads no pip configuration, so it is told here. Without the directory
