@@ -60,8 +60,9 @@ def crc32c_slices(buf: bytearray | memoryview, spans: list[tuple[int, int]]) -> 
     """CRC32C of each ``buf[start:start + n]`` for ``(start, n)`` in ``spans``, without
     copying the slices (one C call each). A span outside ``buf`` raises ValueError."""
     size = memoryview(buf).nbytes
-    if any(a < 0 or n < 0 or a + n > size for a, n in spans):
-        raise ValueError(f"a span of {spans!r} lies outside the buffer of {size} bytes")
+    bad = next(((a, n) for a, n in spans if a < 0 or n < 0 or a + n > size), None)
+    if bad is not None:
+        raise ValueError(f"the span (start, length) {bad} lies outside the buffer of {size} bytes")
     if _extend is None or not spans:
         mv = memoryview(buf)
         return [crc32c(mv[a : a + n]) for a, n in spans]
