@@ -59,12 +59,11 @@ _extend = _load_extend()
 def crc32c_slices(buf: bytearray | memoryview, spans: list[tuple[int, int]]) -> list[int]:
     """CRC32C of each ``buf[start:start + n]`` for ``(start, n)`` in ``spans``, without
     copying the slices (one C call each). A span outside ``buf`` raises ValueError."""
-    size = memoryview(buf).nbytes
-    bad = next(((a, n) for a, n in spans if a < 0 or n < 0 or a + n > size), None)
+    mv = memoryview(buf)
+    bad = next(((a, n) for a, n in spans if a < 0 or n < 0 or a + n > mv.nbytes), None)
     if bad is not None:
-        raise ValueError(f"the span (start, length) {bad} lies outside the buffer of {size} bytes")
+        raise ValueError(f"the span (start, length) {bad} lies outside the buffer of {mv.nbytes} bytes")
     if _extend is None or not spans:
-        mv = memoryview(buf)
         return [crc32c(mv[a : a + n]) for a, n in spans]
     base = np.frombuffer(buf, dtype=np.uint8)
     addr = base.ctypes.data
