@@ -28,8 +28,9 @@ TORCH = "torch==2.13.0"
 # this 2-core machine uv installed the suite's environment in 18 s (69 s compiling its
 # bytecode, below, beside other work), the same 116 packages at the same versions as pip,
 # which took about 3 min in CI's run and 8.5 min (7.7 of them CPU) beside another job
-# (2026-11-27). The dependency matrix stays on pip: its rows are what a user's
-# `pip install` gets.
+# (2026-11-27). The dependency matrix too: the same resolution as pip's (the newest
+# releases, or a cell's pins), and uv does not read this machine's cap on pip's torch, so
+# the newest cell gets PyPI's newest torch, as a user's `pip install` does elsewhere.
 FAST_VENV = "uv|virtualenv"
 # pip finds this machine's CPU build of torch through its configuration (find-links
 # /opt/wheels); uv reads no pip configuration, so it is told here. Without the directory
@@ -44,6 +45,11 @@ os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
 # import them, beside other work): the suite's multi-process tests took twice as long
 os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
 
+
+# pytest-xdist workers of the suite's runs. Three on this 2-core machine: in two, the whole
+# suite kept 155 % of its CPU busy (it waits on servers, child processes and leases), 30 min
+# (2026-11-28).
+WORKERS = "3"
 
 # The Pythons the package supports (pyproject's requires-python and classifiers say the same).
 PYTHONS = ["3.11", "3.12", "3.13"]
@@ -86,12 +92,12 @@ def tests(session: nox.Session) -> None:
         # matrix: `matrix(newest)`, the parts whose outcome depends on a version.)
         select = [] if session.python == PYTHONS[0] else ["-m", "not slow and not seaweed"]
         session.run("pytest", "-q", *select, "tests/integrations/test_integration_orbax.py")
-        # Two worker processes (pytest-xdist): run alone, the suite kept one of this 2-core
-        # machine's cores busy (81% CPU: it waits on servers, child processes and leases), 27.5
-        # min; in two workers it takes 16. `loadfile`: a worker takes a module whole, in
+        # Worker processes (pytest-xdist, WORKERS): run alone, the suite kept one of this
+        # 2-core machine's cores busy (81% CPU: it waits on servers, child processes and
+        # leases). `loadfile`: a worker takes a module whole, in
         # order (a harness's last test totals the others' counts; module fixtures start
         # once). Not `loadgroup`: with pytest 9.2 it silently stops grouping (xdist #1386).
-        session.run("pytest", "-q", "-n", "2", "--dist", "loadfile", "--durations=25",
+        session.run("pytest", "-q", "-n", WORKERS, "--dist", "loadfile", "--durations=25",
                     "--ignore=tests/integrations/test_integration_orbax.py", *select)
     else:
         session.run("pytest", "-q", *session.posargs)
@@ -297,7 +303,12 @@ def _lowest_constraints() -> Any:
     return module
 
 
-@nox.session
+# pip freeze without pip (a uv environment has none): name==version of every distribution
+_FREEZE = ("import importlib.metadata as m\n"
+           "print('\\n'.join(sorted(f\"{d.metadata['Name']}=={d.version}\" for d in m.distributions())))")
+
+
+@nox.session(venv_backend=FAST_VENV)
 @nox.parametrize(("python", "cell"), [(c.python, name) for name, c in MATRIX.items()], ids=list(MATRIX))
 def matrix(session: nox.Session, cell: str) -> None:
     """One cell of the dependency matrix (docs/dependencies.md): install the lowest declared
@@ -312,9 +323,11 @@ def matrix(session: nox.Session, cell: str) -> None:
     lc = _lowest_constraints()
     tmp = Path(session.create_tmp()).resolve()
     started = time.monotonic()
-    # --no-cache-dir: a cell's wheels (PyPI's CUDA build of torch among them, about 2 GB) are
-    # used once; kept in pip's cache they would double the cell's footprint on a shared disk
-    packages = ["--no-cache-dir", "-e", f".[{c.extras}]", *c.also, *lc.tool_requirements()]
+    # No cache: a cell's wheels (PyPI's CUDA build of torch among them, about 2 GB) are used
+    # once; kept in a cache they would double the cell's footprint on a shared disk.
+    uv = session.venv_backend == "uv"
+    packages = ["--no-cache" if uv else "--no-cache-dir", "-e", f".[{c.extras}]", *c.also,
+                *lc.tool_requirements()]
     if c.lowest:
         pins = lc.lowest(c.extras.split(","), list(c.also), list(c.raised))
         constraints = tmp / "lowest-constraints.txt"
@@ -322,8 +335,10 @@ def matrix(session: nox.Session, cell: str) -> None:
         session.install("-c", str(constraints), *packages)
     else:
         pins = {}
-        session.install("--upgrade", "--upgrade-strategy", "eager", *packages)
-    freeze_text = session.run("python", "-m", "pip", "freeze", "--all", silent=True) or ""
+        # the newest release of everything (uv's --upgrade upgrades every package, as pip's
+        # eager strategy does in an environment reused from an earlier run)
+        session.install("--upgrade", *([] if uv else ["--upgrade-strategy", "eager"]), *packages)
+    freeze_text = session.run("python", "-c", _FREEZE, silent=True) or ""
     (tmp / "freeze.txt").write_text(freeze_text)
     freeze = {}
     for line in freeze_text.splitlines():
@@ -348,7 +363,7 @@ def matrix(session: nox.Session, cell: str) -> None:
         args = ["-p", "no:cacheprovider", "--durations=10", f"--junitxml={report}", *files]
         args += ["-k", f"({_DRIVERS_K}) and {_MATRIX_K}" if run == "drivers" else _MATRIX_K]
         if len(files) > 1:  # two workers, a module whole to one (as in `tests`)
-            args += ["-n", "2", "--dist", "loadfile"]
+            args += ["-n", WORKERS, "--dist", "loadfile"]
         try:
             session.run("pytest", "-q", *args, *session.posargs)
             run_failed = False
