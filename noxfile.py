@@ -249,7 +249,7 @@ def _ran_from(file: str, classnames: set[str]) -> bool:
 def _matrix_runs(groups: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     """The pytest runs of a cell, each named, with the groups it holds: ``drivers`` alone
     (its own ``-k``), ``orbax`` alone (a process of its own, see `tests`), every other group
-    together in one run of two workers (one pytest per group left a core idle: 838 s of
+    together in one run of WORKERS workers (one pytest per group left a core idle: 838 s of
     tests in matrix(newest), one after another)."""
     runs: dict[str, tuple[str, ...]] = {}
     rest = tuple(g for g in groups if g not in ("drivers", "orbax"))
@@ -362,7 +362,7 @@ def matrix(session: nox.Session, cell: str) -> None:
         files = [f for g in groups for f in MATRIX_TESTS[g]]
         args = ["-p", "no:cacheprovider", "--durations=10", f"--junitxml={report}", *files]
         args += ["-k", f"({_DRIVERS_K}) and {_MATRIX_K}" if run == "drivers" else _MATRIX_K]
-        if len(files) > 1:  # two workers, a module whole to one (as in `tests`)
+        if len(files) > 1:  # WORKERS workers, a module whole to one (as in `tests`)
             args += ["-n", WORKERS, "--dist", "loadfile"]
         try:
             session.run("pytest", "-q", *args, *session.posargs)
