@@ -113,6 +113,16 @@ class ChecksumMismatchError(CorruptionError):
     """A file's bytes do not match the size or CRC32C recorded in its manifest."""
 
 
+class IncompatibleCheckpointError(AtomicStoreError):
+    """An intact checkpoint (its checksums match) in a format this installation cannot
+    read: written by a newer release of the library that wrote it (e.g. torch DCP metadata
+    of a newer torch). ``path`` names the file."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 __all__ = [
     "AlreadyExistsError",
     "AtomicStoreError",
@@ -121,6 +131,7 @@ __all__ = [
     "CommitOutcomeUnknownError",
     "ConformanceError",
     "CorruptionError",
+    "IncompatibleCheckpointError",
     "InvalidArgumentError",
     "LeaseLostError",
     "NotFoundError",

@@ -25,7 +25,11 @@ any, ``.metadata`` pickled by DCP with the stock per-item records), so a committ
 checkpoint on local disk is also readable by the stock ``FileSystemReader``. atomicstore
 adds ``manifest.json`` and ``atomicstore-dcp.json`` (the CRC32C of every item's stored
 bytes, so a ranged read is verified). The reader unpickles ``.metadata`` with a
-restricted unpickler (DCP's metadata classes only): a hostile pickle runs nothing.
+restricted unpickler (DCP's metadata classes only), tensor items with
+``weights_only=True``, and lets DCP's planner unpickle a non-tensor item (which it does with
+``weights_only=False``) only once it has unpickled with ``weights_only=True``: a hostile
+pickle runs nothing. A trusted checkpoint whose non-tensor items hold other classes loads
+with ``weights_only=False`` (or with those classes in ``torch.serialization.add_safe_globals``).
 
 The writer and the reader take the stock ``FileSystemWriter``'s and ``FileSystemReader``'s
 arguments (``path=``, ``single_file_per_rank``, ``sync_files``, ``thread_count``,
@@ -45,6 +49,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import io
+import itertools
 import json
 import os
 import pickle
@@ -55,7 +60,12 @@ from typing import IO, Any, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -81,6 +91,7 @@ from ..errors import (
     ChecksumMismatchError,
     CommitConflictError,
     CorruptionError,
+    IncompatibleCheckpointError,
     InvalidArgumentError,
     NotFoundError,
     PreconditionFailedError,
@@ -131,6 +142,8 @@ class ItemRecord:
     file_size: int
     file_crc32c: int
     transforms: tuple[str, ...] = ()
+    #: the attempt written into (``Transaction.prefix``): ``finish`` commits only that one
+    attempt: str = ""
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -592,6 +605,8 @@ class AtomicStorageWriter(_Located, StorageWriter, BlockingAsyncStager):
         if not isinstance(where, AttemptPlan):
             raise TransactionError("AtomicStorageWriter.write_data: the plan was not made by AtomicStorageWriter "
                                    "(prepare_global_plan)")
+        if self.is_coordinator:
+            self._check_same_save(where.prefix, "write_data")
         jobs = self._files(plan, where)
         store = self.store
         extensions = self.extensions
@@ -630,7 +645,8 @@ class AtomicStorageWriter(_Located, StorageWriter, BlockingAsyncStager):
                 w.abort()
                 raise
             return [WriteResult(index=wi.index, size_in_bytes=n,
-                                storage_data=ItemRecord(file, off, n, c, stream.size, stream.crc, descriptors))
+                                storage_data=ItemRecord(file, off, n, c, stream.size, stream.crc, descriptors,
+                                                        where.prefix))
                     for wi, off, n, c in spans]
 
         # errors are raised here, not stored in the returned future: a torch Future holding
@@ -647,11 +663,28 @@ class AtomicStorageWriter(_Located, StorageWriter, BlockingAsyncStager):
         fut.set_result(results)
         return fut
 
+    def _check_same_save(self, attempt: str, step: str) -> None:
+        """Raise :class:`~atomicstore.TransactionError` unless ``attempt`` is the one this
+        writer's open save planned: another save on this writer (a second ``async_save``
+        while one was in flight) reset it meanwhile, and aborted the attempt this save
+        writes into. Nothing of the other save is touched."""
+        txn = self._txn[0]
+        if txn is None or txn.prefix != attempt:
+            raise TransactionError(
+                f"{step} of {self.checkpoint_id}: this save's attempt was aborted by another save on the same "
+                "AtomicStorageWriter (one writer per save in flight: give each async_save its own writer); "
+                "nothing of this save is committed")
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         txn = self._txn[0]
         if txn is None:
             raise TransactionError(f"finish of {self.checkpoint_id}: no save in flight (aborted, or already "
                                    "committed)")
+        # every result was written into the attempt open now: else another save on this
+        # writer replaced this one's (its transaction is not this save's to commit or abort)
+        for wr in (wr for rank in results for wr in rank):
+            if isinstance(wr.storage_data, ItemRecord):
+                self._check_same_save(wr.storage_data.attempt, "finish")
         try:
             storage: dict[MetadataIndex, _StorageInfo] = {}
             items: dict[str, list[list[int]]] = {}
@@ -679,12 +712,16 @@ class AtomicStorageWriter(_Located, StorageWriter, BlockingAsyncStager):
                     "storage_meta): keep those to DCP's own types and plain data") from None
             for file, (size, crc) in sorted(files.items()):
                 txn.adopt(file, size, crc)
-            txn.write_bytes(ITEMS_FILE, json.dumps({"version": 1, "items": items}, sort_keys=True).encode())
+            # (the torch that wrote it: DCP's metadata of a newer torch may not load in an older one)
+            txn.write_bytes(ITEMS_FILE, json.dumps({"version": 1, "torch": torch.__version__, "items": items},
+                                                   sort_keys=True).encode())
             txn.write_bytes(METADATA_FILE, raw)
-            self._txn[0] = None
+            if self._txn[0] is txn:  # (not another save's, set meanwhile)
+                self._txn[0] = None
             txn.commit()
         except BaseException:
-            _abort(self._txn)
+            if self._txn[0] is txn:
+                _abort(self._txn)
             if not txn.committed:
                 txn.abort()
             raise
@@ -717,13 +754,24 @@ class AtomicStorageReader(_Located, StorageReader):
             where each read waits on the network).
         max_inflight_bytes: bound on the bytes of the items being read at once (a
             larger item is read alone); the extra memory of a load is about twice this.
+        weights_only: a non-tensor item (DCP's planner unpickles it with
+            ``weights_only=False``) is first unpickled with ``weights_only=True``, and
+            refused (:class:`~atomicstore.CorruptionError` naming the file and item) if that
+            fails: a hostile pickle runs nothing. ``False`` (trusted checkpoints only) lets
+            such items hold any class, as the stock reader does.
         store_options: passed to :func:`~atomicstore.open_store`.
     """
 
     def __init__(self, checkpoint_id: str | os.PathLike[str] | None = None, _extension_registry: Any = None, *,
                  path: str | os.PathLike[str] | None = None, thread_count: int | None = None,
-                 max_inflight_bytes: int = 256 * 2**20, **store_options: Any) -> None:
+                 max_inflight_bytes: int = 256 * 2**20, weights_only: bool = True,
+                 **store_options: Any) -> None:
         super().__init__()
+        if not isinstance(weights_only, bool):
+            raise InvalidArgumentError("weights_only must be a bool")
+        #: a non-tensor item (DCP unpickles it in the planner, ``torch.load(weights_only=False)``)
+        #: must first unpickle with ``weights_only=True``: a hostile pickle runs nothing
+        self.weights_only = weights_only
         if thread_count is not None and not _count(thread_count, 1, 64):
             raise InvalidArgumentError("thread_count must be None or an int from 1 to 64")
         if not _count(max_inflight_bytes, 1, 2**62):
@@ -741,6 +789,8 @@ class AtomicStorageReader(_Located, StorageReader):
         self._ckpt: Checkpoint | None = None
         self._items: dict[tuple[str, int], tuple[int, int]] = {}
         self.storage_data: dict[MetadataIndex, Any] = {}
+        #: each tensor's dtype as the metadata records it (an item must hold that dtype)
+        self._dtypes: dict[str, torch.dtype] = {}
         self.load_id = os.urandom(8).hex()
         #: why the last ``read_metadata`` failed (DCP reports it only as text)
         self.metadata_error: AtomicStoreError | None = None
@@ -754,6 +804,7 @@ class AtomicStorageReader(_Located, StorageReader):
         self._ckpt = None
         self._items = {}
         self.storage_data = {}
+        self._dtypes = {}
         self.load_id = os.urandom(8).hex()
 
     def _open(self) -> Checkpoint:
@@ -784,6 +835,14 @@ class AtomicStorageReader(_Located, StorageReader):
         try:
             metadata = _unpickle_metadata(raw)
         except ValueError as exc:
+            writer = self._writer_torch(ckpt)
+            if writer is not None and _newer_torch(writer):
+                # intact (its CRC32C matched), but DCP changed its metadata classes since
+                # this torch (torch 2.15 added TensorProperties.strides): not corrupt
+                raise IncompatibleCheckpointError(
+                    f"{ckpt.where(METADATA_FILE)}: written by torch {writer}, whose DCP metadata this older "
+                    f"torch ({torch.__version__}) cannot read ({exc}); load it with torch "
+                    f"{writer.split('+')[0]} or newer. Nothing was run", path=METADATA_FILE) from None
             raise CorruptionError(f"{ckpt.where(METADATA_FILE)}: not DCP metadata, refused unexecuted ({exc})",
                                   path=METADATA_FILE) from None
         self._items = self._parse_items(ckpt)
@@ -791,6 +850,15 @@ class AtomicStorageReader(_Located, StorageReader):
         meta.load_id = self.load_id
         metadata.storage_meta = meta
         return metadata
+
+    def _writer_torch(self, ckpt: Checkpoint) -> str | None:
+        """The torch version the item records name as the writer's, if any (older
+        checkpoints, and damaged records, name none)."""
+        try:
+            version = json.loads(ckpt.read_bytes(ITEMS_FILE)).get("torch")
+        except Exception:  # noqa: BLE001 - only a better message is at stake
+            return None
+        return version if isinstance(version, str) and 0 < len(version) <= 64 else None
 
     def _parse_items(self, ckpt: Checkpoint) -> dict[tuple[str, int], tuple[int, int]]:
         try:
@@ -809,6 +877,8 @@ class AtomicStorageReader(_Located, StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
+        self._dtypes = {fqn: md.properties.dtype for fqn, md in metadata.state_dict_metadata.items()
+                        if isinstance(md, TensorStorageMetadata) and isinstance(md.properties.dtype, torch.dtype)}
         if not self._items:
             ckpt = self._open()
             self._items = self._replacement_named(ckpt, "its item records", lambda: self._parse_items(ckpt))
@@ -878,6 +948,22 @@ class AtomicStorageReader(_Located, StorageReader):
             raise CorruptionError(f"{ckpt.where(file)}: item {fqn} does not decode through {list(descs)} ({exc})",
                                   path=file, leaf=fqn) from None
 
+    @staticmethod
+    def _check_weights_only(ckpt: Checkpoint, file: str, fqn: str, data: bytes) -> None:
+        """Refuse a non-tensor item that unpickles only with ``weights_only=False``:
+        DCP's load planner unpickles it so (``DefaultLoadPlanner.load_bytes``), and its
+        globals could run anything. What passes here names only the globals torch allows
+        (and those of ``torch.serialization.add_safe_globals``), so the planner's unpickling
+        of the same bytes runs nothing else."""
+        try:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - refused, or not a pickle at all
+            why = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+            raise CorruptionError(
+                f"{ckpt.where(file)}: item {fqn} does not load with weights_only=True, refused unexecuted "
+                f"({why}); if this checkpoint is trusted, load it with weights_only=False, or allow its "
+                "classes with torch.serialization.add_safe_globals", path=file, leaf=fqn) from None
+
     def _load_item(self, ckpt: Checkpoint, req: ReadItem, planner: LoadPlanner, lock: threading.Lock) -> None:
         self._replacement_named(ckpt, f"item {req.storage_index.fqn}",
                                 lambda: self._load_checked(ckpt, req, planner, lock))
@@ -898,6 +984,8 @@ class AtomicStorageReader(_Located, StorageReader):
             if descs:  # checked as stored, then decoded
                 data = self._untransform(ckpt, file, fqn, descs, data)
             if req.type == LoadItemType.BYTE_IO:
+                if self.weights_only:
+                    self._check_weights_only(ckpt, file, fqn, data)
                 with lock:
                     planner.load_bytes(req, io.BytesIO(data))
                 return
@@ -913,6 +1001,21 @@ class AtomicStorageReader(_Located, StorageReader):
                                   leaf=fqn) from None
         if isinstance(src, _ItemFile) and src.crc32c() != crc:
             raise mismatch()  # before anything reached the caller's tensors
+        # what DCP writes for a tensor item is a dense tensor of the dtype its metadata
+        # records: anything else (another object, a sparse, quantized or meta tensor, a
+        # complex tensor where float32 is recorded) would fail deep in torch, or be cast
+        # silently into the caller's tensor
+        recorded = self._dtypes.get(fqn)
+        if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided or tensor.is_quantized \
+                or tensor.is_meta or (recorded is not None and tensor.dtype != recorded):
+            what = (f"a {tensor.dtype} tensor, the metadata records {recorded}"
+                    if isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided
+                    and not tensor.is_quantized and not tensor.is_meta
+                    else f"a {type(tensor).__name__}" if not isinstance(tensor, torch.Tensor)
+                    else f"a {tensor.layout}{' quantized' if tensor.is_quantized else ''}"
+                         f"{' meta' if tensor.is_meta else ''} tensor")
+            raise CorruptionError(f"{ckpt.where(file)}: item {fqn} is not the dense tensor its metadata records "
+                                  f"({what})", path=file, leaf=fqn)
         try:
             tensor = _narrow(tensor, req.storage_offsets, req.lengths)
         except (RuntimeError, IndexError, ValueError) as exc:
@@ -923,7 +1026,11 @@ class AtomicStorageReader(_Located, StorageReader):
         if target.size() != tensor.size():
             raise CorruptionError(f"{self.checkpoint_id}: item {fqn} has size {tuple(tensor.size())}, "
                                   f"the plan expects {tuple(target.size())}", leaf=fqn)
-        target.copy_(tensor)  # items fill distinct targets: outside the lock
+        try:
+            target.copy_(tensor)  # items fill distinct targets: outside the lock
+        except RuntimeError as exc:  # (a target of another dtype or device is the caller's choice)
+            raise CorruptionError(f"{ckpt.where(file)}: item {fqn} cannot be copied into its target ({exc})",
+                                  path=file, leaf=fqn) from None
         with lock:
             planner.commit_tensor(req, target)
 
@@ -962,6 +1069,22 @@ class AtomicStorageReader(_Located, StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return names_checkpoint(checkpoint_id, absolute=True)
+
+
+def _newer_torch(version: str) -> bool:
+    """Whether ``version`` (a torch version a checkpoint records) is newer than this torch's,
+    by their release numbers (``2.15.0+cu132`` -> (2, 15, 0))."""
+
+    def release(v: str) -> tuple[int, ...]:
+        parts = []
+        for piece in v.split("+")[0].split(".")[:3]:
+            digits = "".join(itertools.takewhile(str.isdigit, piece))
+            if not digits:
+                break
+            parts.append(int(digits))
+        return tuple(parts)
+
+    return release(version) > release(torch.__version__)
 
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
@@ -1017,14 +1140,18 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, o
 
 
 def load(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, planner: LoadPlanner | None = None,
-         process_group: Any = None, thread_count: int | None = None, **store_options: Any) -> None:
+         process_group: Any = None, thread_count: int | None = None, weights_only: bool = True,
+         **store_options: Any) -> None:
     """``dcp.load`` (in place, resharding onto ``state_dict``'s layout) through
     :class:`AtomicStorageReader`; atomicstore errors are raised as themselves (e.g.
-    :class:`~atomicstore.ChecksumMismatchError` naming the file and item)."""
+    :class:`~atomicstore.ChecksumMismatchError` naming the file and item).
+    ``weights_only=False`` lets non-tensor items hold any pickle (trusted checkpoints only:
+    see :class:`AtomicStorageReader`)."""
     import torch.distributed.checkpoint as dcp
 
     if not isinstance(state_dict, dict):
         raise InvalidArgumentError(f"state_dict must be a dict, not {type(state_dict).__name__}")
-    reader = AtomicStorageReader(checkpoint_id, thread_count=thread_count, **store_options)
+    reader = AtomicStorageReader(checkpoint_id, thread_count=thread_count, weights_only=weights_only,
+                                 **store_options)
     _unwrapped(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group),
                reader)

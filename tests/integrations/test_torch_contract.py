@@ -641,3 +641,165 @@ def test_a_forked_child_saves_and_loads_with_its_parents_writer_and_reader(kind,
     out = subprocess.run([sys.executable, "-c", script, b.url, json.dumps(b.options), str(Path(__file__).parent)],
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().endswith("child 0 parent []"), out.stdout + out.stderr[-3000:]
+
+
+# -- forged items: CRC-consistent, committed, of another kind than the metadata records ----------
+def _saved(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def forge_item(st: atomicstore.Store, good: str, name: str, fqn: str, payload: bytes) -> None:
+    """Commit ``name``: ``good`` (one file per item) with item ``fqn``'s stored bytes replaced
+    by ``payload``, and its records (``.metadata``, the item records) made to match, so every
+    checksum agrees: what a writer with access to the store, not damage, can leave."""
+    ck = st.open(good)
+    md = pickle.loads(ck.read_bytes(METADATA_FILE))
+    key = next(k for k in md.storage_data if k.fqn == fqn)
+    info = md.storage_data[key]
+    assert info.offset == 0  # one item per file
+    info.length = len(payload)
+    items = json.loads(ck.read_bytes(ITEMS_FILE))
+    items["items"][info.relative_path] = [[0, len(payload), atomicstore.commit.manifest.crc32c(payload)]]
+    commit_with(st, good, name, {info.relative_path: payload, METADATA_FILE: pickle.dumps(md),
+                                 ITEMS_FILE: json.dumps(items).encode()})
+
+
+def _one_file_per_item(root: Path, val: float) -> None:
+    dcp.save(full(val), storage_writer=AtomicStorageWriter(str(root / "good"), single_file_per_rank=False))
+
+
+@pytest.mark.parametrize("payload", ["an int", "a dict of the tensor", "a list of the tensor", "None", "sparse",
+                                     "quantized", "meta", "complex64", "float64"])
+def test_a_forged_tensor_item_is_refused_naming_the_file_and_item(tmp_path, payload):
+    # Was (attacker, torch 2.13 and 2.15): DCP's CheckpointException wrapping AttributeError
+    # or RuntimeError from inside torch, or a complex/float64 item cast silently into the
+    # float32 tensor (the imaginary part dropped).
+    root = tmp_path / "store"
+    _one_file_per_item(root, 1.0)
+    w = full(1.0)["model"]["w"]
+    forged = {"an int": 5, "a dict of the tensor": {"w": w}, "a list of the tensor": [w], "None": None,
+              "sparse": w.to_sparse(), "quantized": torch.quantize_per_tensor(w, 0.1, 0, torch.quint8),
+              "meta": torch.empty(w.shape, device="meta"), "complex64": w.to(torch.complex64) * 1j,
+              "float64": w.double()}[payload]
+    st = atomicstore.open_store(str(root))
+    forge_item(st, "good", "forged", "model.w", _saved(forged))
+    got = zeroed(full(0.0))
+    with pytest.raises(atomicstore.CorruptionError) as ei:
+        load(got, str(root / "forged"))
+    assert ei.value.leaf == "model.w" and ei.value.path and ei.value.path.endswith(".distcp"), ei.value
+    assert "is not the dense tensor its metadata records" in str(ei.value), ei.value
+    assert not torch.any(got["model"]["w"]), "the caller's tensor was written"
+    got = zeroed(full(0.0))
+    load(got, str(root / "good"))
+    assert check(got, 1.0) == []
+
+
+class TrustedConfig:
+    """A class of the caller's, in a non-tensor item (full pickle only)."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+
+def test_a_non_tensor_item_runs_nothing_and_trusted_classes_load_when_allowed(tmp_path):
+    # Was (attacker): a non-tensor item holding a pickle that calls exec ran it at load:
+    # DCP's DefaultLoadPlanner.load_bytes unpickles with weights_only=False.
+    root = tmp_path / "store"
+    _one_file_per_item(root, 1.0)
+    st = atomicstore.open_store(str(root))
+    marker = tmp_path / "pwned"
+    forge_item(st, "good", "evil", "optim.step", _saved(RunsCode(exec, f"open({str(marker)!r}, 'w').close()")))
+    for reader in ("load", "dcp.load"):
+        got = zeroed(full(0.0))
+        with pytest.raises((atomicstore.CorruptionError, CheckpointException)) as ei:
+            if reader == "load":
+                load(got, str(root / "evil"))
+            else:
+                dcp.load(got, storage_reader=AtomicStorageReader(str(root / "evil")))
+        assert not marker.exists(), f"{reader}: the pickle ran"
+        err = atomicstore_error(ei.value)
+        assert isinstance(err, atomicstore.CorruptionError) and err.leaf == "optim.step", ei.value
+        assert "refused unexecuted" in str(err) and "weights_only=False" in str(err), err
+    # a trusted checkpoint holding a class of the caller's: refused by default, loaded when
+    # the caller says so (weights_only=False, or the class allowed by torch)
+    state = full(1.0)
+    state["optim"]["cfg"] = TrustedConfig(0.25)
+    save(state, str(root / "trusted"))
+    got = zeroed(full(0.0))
+    got["optim"]["cfg"] = None
+    with pytest.raises(atomicstore.CorruptionError, match="weights_only"):
+        load(got, str(root / "trusted"))
+    load(got, str(root / "trusted"), weights_only=False)
+    assert isinstance(got["optim"]["cfg"], TrustedConfig) and got["optim"]["cfg"].lr == 0.25
+    got = zeroed(full(0.0))
+    got["optim"]["cfg"] = None
+    with torch.serialization.safe_globals([TrustedConfig]):
+        load(got, str(root / "trusted"))
+    assert got["optim"]["cfg"].lr == 0.25 and check(got, 1.0) == []
+    with pytest.raises(atomicstore.InvalidArgumentError, match="weights_only"):
+        AtomicStorageReader(str(root / "trusted"), weights_only="no")
+
+
+def test_metadata_a_newer_torch_wrote_is_named_so_not_called_corrupt(tmp_path):
+    # Was (attacker): a checkpoint saved with torch 2.15 (TensorProperties gained `strides`)
+    # loaded with torch 2.13: "CorruptionError: not DCP metadata", while verify said ok.
+    root = tmp_path / "store"
+    save(full(1.0), str(root / "step_1"))
+    st = atomicstore.open_store(str(root))
+    items = json.loads(st.open("step_1").read_bytes(ITEMS_FILE))
+    assert items["torch"] == torch.__version__  # the writer records its torch
+    unreadable = b"\x80\x04K\x05."  # (an int: not DCP metadata, whatever torch reads it)
+    for name, writer in (("newer", "99.1.0+cu999"), ("same", torch.__version__), ("older", "2.0.0")):
+        commit_with(st, "step_1", name, {METADATA_FILE: unreadable,
+                                         ITEMS_FILE: json.dumps(items | {"torch": writer}).encode()})
+        with pytest.raises(atomicstore.AtomicStoreError) as ei:
+            load(zeroed(full(0.0)), str(root / name))
+        if name == "newer":
+            assert type(ei.value) is atomicstore.IncompatibleCheckpointError, ei.value
+            assert "written by torch 99.1.0+cu999" in str(ei.value) and "torch 99.1.0 or newer" in str(ei.value)
+            assert ei.value.path == METADATA_FILE
+        else:  # the same or an older torch wrote what this one cannot read: damaged
+            assert type(ei.value) is atomicstore.CorruptionError and "refused unexecuted" in str(ei.value)
+
+
+def test_a_second_save_on_a_writer_in_flight_never_commits_the_first_under_its_name(tmp_path):
+    # Was (attacker, documented misuse: one writer per save in flight): async save A blocked
+    # in its writes while save B, on the same writer, reset it and planned; A's finish then
+    # committed B's attempt, with A's data, under B's name (and in 2 of 6 runs B then wrote
+    # into that committed checkpoint: ChecksumMismatchError on load).
+    root = tmp_path / "store"
+    planned_a, planned_b = threading.Event(), threading.Event()
+
+    class SaveA(DefaultSavePlanner):
+        def finish_plan(self, plan: Any) -> Any:
+            planned_a.set()
+            return super().finish_plan(plan)
+
+        def resolve_data(self, wi: Any) -> Any:
+            assert planned_b.wait(30)
+            return super().resolve_data(wi)
+
+    class SaveB(DefaultSavePlanner):
+        def finish_plan(self, plan: Any) -> Any:
+            planned_b.set()
+            return super().finish_plan(plan)
+
+    writer = AtomicStorageWriter(str(root / "step_1"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fa = dcp.async_save(full(1.0), storage_writer=writer, planner=SaveA())
+        assert planned_a.wait(30)  # A planned (its attempt open), blocked in its writes
+        fb = dcp.async_save(full(2.0), checkpoint_id=str(root / "step_2"), storage_writer=writer, planner=SaveB())
+        with pytest.raises(BaseException) as ei:
+            fa.result(timeout=60)
+        fb.result(timeout=60)
+    err = atomicstore_error(ei.value)
+    assert isinstance(err, atomicstore.TransactionError), ei.value  # B's reset aborted A's attempt
+    st = atomicstore.open_store(str(root))
+    assert st.list() == ["step_2"]
+    got = zeroed(full(0.0))
+    load(got, str(root / "step_2"))
+    assert check(got, 2.0) == []  # B's own data, whole
+    st.verify("step_2")
