@@ -636,7 +636,12 @@ class AtomicStorageWriter(_Located, StorageWriter, BlockingAsyncStager):
                         if not isinstance(data, torch.Tensor):
                             raise InvalidArgumentError(f"item {wi.index.fqn}: planner resolved {type(data).__name__}, "
                                                        "expected a tensor")
-                        torch.save(data.detach().cpu(), sink)
+                        tensor = data.detach().cpu()
+                        if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                            # a view (a slice, qkv.chunk(3), a flat buffer's parameter):
+                            # torch.save writes its whole storage; the stock writer clones
+                            tensor = tensor.clone()
+                        torch.save(tensor, sink)
                     if extensions:
                         sink.close()  # the extensions' last bytes (the item's stream stays open)
                     spans.append((wi, start, stream.size - start, stream.item_crc))

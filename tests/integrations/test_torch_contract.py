@@ -803,3 +803,20 @@ def test_a_second_save_on_a_writer_in_flight_never_commits_the_first_under_its_n
     load(got, str(root / "step_2"))
     assert check(got, 2.0) == []  # B's own data, whole
     st.verify("step_2")
+
+
+def test_views_are_saved_as_their_own_bytes_not_their_whole_storage(tmp_path):
+    # Was (attacker): 32 parameters that are views into one 8 MiB flat buffer were saved as
+    # 256 MiB (torch.save of a view writes its whole storage); the stock writer clones them,
+    # and the bytes outside a view (another tensor's) ended up in its item.
+    flat = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    views = {f"p{i}": flat[i * (1 << 16):(i + 1) * (1 << 16)] for i in range(16)}  # 256 KiB each
+    views["strided"] = flat[::4096]
+    root = tmp_path / "store"
+    save({"model": views}, str(root / "step_1"))
+    ck = atomicstore.open_store(str(root)).open("step_1")
+    stored = sum(f.size for p, f in ck.files.items() if p.endswith(".distcp"))
+    assert stored < flat.nbytes * 1.1, f"{stored:,} bytes stored for {flat.nbytes:,} bytes of views"
+    got = {"model": {k: torch.zeros_like(v) for k, v in views.items()}}
+    load(got, str(root / "step_1"))
+    assert all(torch.equal(got["model"][k], v) for k, v in views.items())
