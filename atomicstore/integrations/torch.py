@@ -49,10 +49,10 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import io
-import itertools
 import json
 import os
 import pickle
+import re
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -1010,15 +1010,8 @@ class AtomicStorageReader(_Located, StorageReader):
         # records: anything else (another object, a sparse, quantized or meta tensor, a
         # complex tensor where float32 is recorded) would fail deep in torch, or be cast
         # silently into the caller's tensor
-        recorded = self._dtypes.get(fqn)
-        if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided or tensor.is_quantized \
-                or tensor.is_meta or (recorded is not None and tensor.dtype != recorded):
-            what = (f"a {tensor.dtype} tensor, the metadata records {recorded}"
-                    if isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided
-                    and not tensor.is_quantized and not tensor.is_meta
-                    else f"a {type(tensor).__name__}" if not isinstance(tensor, torch.Tensor)
-                    else f"a {tensor.layout}{' quantized' if tensor.is_quantized else ''}"
-                         f"{' meta' if tensor.is_meta else ''} tensor")
+        what = _not_the_recorded_tensor(tensor, self._dtypes.get(fqn))
+        if what is not None:
             raise CorruptionError(f"{ckpt.where(file)}: item {fqn} is not the dense tensor its metadata records "
                                   f"({what})", path=file, leaf=fqn)
         try:
@@ -1076,18 +1069,28 @@ class AtomicStorageReader(_Located, StorageReader):
         return names_checkpoint(checkpoint_id, absolute=True)
 
 
+def _not_the_recorded_tensor(obj: object, recorded: torch.dtype | None) -> str | None:
+    """What ``obj`` (a tensor item as ``torch.load`` returned it) is, if it is not the dense
+    tensor of dtype ``recorded`` that DCP writes; None if it is."""
+    if not isinstance(obj, torch.Tensor):
+        return f"a {type(obj).__name__}"
+    if obj.layout is not torch.strided:
+        return f"a {obj.layout} tensor"
+    if obj.is_quantized or obj.is_meta:
+        return f"a {'quantized' if obj.is_quantized else 'meta'} tensor"
+    if recorded is not None and obj.dtype != recorded:
+        return f"a {obj.dtype} tensor, the metadata records {recorded}"
+    return None
+
+
 def _newer_torch(version: str) -> bool:
     """Whether ``version`` (a torch version a checkpoint records) is newer than this torch's,
-    by their release numbers (``2.15.0+cu132`` -> (2, 15, 0))."""
+    by their release numbers (``2.15.0+cu132`` -> (2, 15, 0); not a version -> never newer).
+    Not torch's ``TorchVersion``: it compares what it cannot parse as a string, so a
+    forged record (``"garbage"``) would count as newer."""
 
     def release(v: str) -> tuple[int, ...]:
-        parts = []
-        for piece in v.split("+")[0].split(".")[:3]:
-            digits = "".join(itertools.takewhile(str.isdigit, piece))
-            if not digits:
-                break
-            parts.append(int(digits))
-        return tuple(parts)
+        return tuple(int(n) for n in re.findall(r"\d+", v.split("+")[0])[:3])
 
     return release(version) > release(torch.__version__)
 
